@@ -1,0 +1,85 @@
+"""DSec: elastic sandboxes for agentic reinforcement learning.
+
+``import dsec_kernel as dsec`` gives the SDK::
+
+    async with dsec.AsyncClient() as c:
+        sbs = await c.create(count=8, backend="fncall", ttl=600)
+        results = await c.exec_many(sbs, "echo hi", timeout=10)
+
+The same package holds the kernel (wire models, hooks, plugins, bus, apiserver, edge) that
+plugins build on; see docs/architecture.md. Names are imported on first use, so importing a
+small module such as :mod:`dsec_kernel.linux` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "AsyncClient": "dsec_kernel.sdk",
+    "Client": "dsec_kernel.sdk",
+    "Sandbox": "dsec_kernel.sdk",
+    "SyncSandbox": "dsec_kernel.sdk",
+    "ExecResult": "dsec_kernel.wire",
+    "Limits": "dsec_kernel.wire",
+    "NodeInfo": "dsec_kernel.wire",
+    "SandboxInfo": "dsec_kernel.wire",
+    "hookimpl": "dsec_kernel.plugins",
+    **{
+        name: "dsec_kernel.errors"
+        for name in (
+            "CapacityExceeded",
+            "Conflict",
+            "DeadlineExceeded",
+            "DsecError",
+            "Forbidden",
+            "Internal",
+            "InvalidArgument",
+            "NotFound",
+            "SandboxLost",
+            "Unauthenticated",
+            "Unavailable",
+            "UnknownBackend",
+            "Unsupported",
+        )
+    },
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dsec_kernel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:
+    from dsec_kernel.errors import (
+        CapacityExceeded,
+        Conflict,
+        DeadlineExceeded,
+        DsecError,
+        Forbidden,
+        Internal,
+        InvalidArgument,
+        NotFound,
+        SandboxLost,
+        Unauthenticated,
+        Unavailable,
+        UnknownBackend,
+        Unsupported,
+    )
+    from dsec_kernel.plugins import hookimpl
+    from dsec_kernel.sdk import AsyncClient, Client, Sandbox, SyncSandbox
+    from dsec_kernel.wire import ExecResult, Limits, NodeInfo, SandboxInfo

@@ -1,0 +1,139 @@
+"""The edge's client for the agent protocol: one client for every kind of sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from dsec_kernel import errors
+from dsec_kernel.agent import agent_pb2 as pb
+from dsec_kernel.agent.agent_pb2_grpc import AgentStub
+from dsec_kernel.wire import ExecResult
+
+__all__ = ["AgentClient", "collect_exec", "status_error"]
+
+_STATUS_ERRORS: dict[grpc.StatusCode, type[errors.DsecError]] = {
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.InvalidArgument,
+    grpc.StatusCode.OUT_OF_RANGE: errors.InvalidArgument,
+    grpc.StatusCode.ALREADY_EXISTS: errors.Conflict,
+    grpc.StatusCode.PERMISSION_DENIED: errors.Forbidden,
+    grpc.StatusCode.UNIMPLEMENTED: errors.Unsupported,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.CapacityExceeded,
+    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: errors.Unavailable,
+}
+
+
+def status_error(exc: grpc.aio.AioRpcError, what: str) -> errors.DsecError:
+    """The DSec error for a failed agent call."""
+    cls = _STATUS_ERRORS.get(exc.code(), errors.Internal)
+    return cls(f"{what}: {exc.details() or exc.code().name}")
+
+
+async def collect_exec(events: AsyncIterator[pb.ExecEvent], sandbox_id: str = "") -> ExecResult:
+    """Gather an Exec stream into one :class:`ExecResult`."""
+    out: list[bytes] = []
+    err: list[bytes] = []
+    async for ev in events:
+        kind = ev.WhichOneof("event")
+        if kind == "stdout":
+            out.append(ev.stdout)
+        elif kind == "stderr":
+            err.append(ev.stderr)
+        else:
+            x = ev.exit
+            return ExecResult(
+                sandbox_id=sandbox_id,
+                stdout=b"".join(out),
+                stderr=b"".join(err),
+                exit_code=x.exit_code,
+                duration_s=x.duration_s,
+                timed_out=x.timed_out,
+                truncated=x.truncated,
+            )
+    raise errors.Internal("agent ended the exec stream without an exit event")
+
+
+class AgentClient:
+    """An async client for one agent endpoint (``unix:///path`` or ``host:port``).
+
+    Every method raises a :class:`~dsec_kernel.errors.DsecError`, never a gRPC error.
+    """
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self._channel = grpc.aio.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20),
+            ],
+        )
+        self._stub = AgentStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def wait_ready(self, timeout: float) -> pb.HealthResponse:
+        """Poll Health until it answers or ``timeout`` seconds pass (then Unavailable)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return await self._stub.Health(pb.HealthRequest(), timeout=1.0)
+            except grpc.aio.AioRpcError as exc:
+                if time.monotonic() > deadline:
+                    raise errors.Unavailable(
+                        f"agent at {self.target} did not answer within {timeout:.0f}s: "
+                        f"{exc.details()}"
+                    ) from None
+            await asyncio.sleep(0.02)
+
+    async def exec(self, req: pb.ExecRequest) -> ExecResult:
+        """Run a command and collect its output (see ``Agent.Exec`` in agent.proto)."""
+        call = self._stub.Exec(req, timeout=req.timeout_s + 30)
+        try:
+            return await collect_exec(call, req.sandbox)
+        except grpc.aio.AioRpcError as exc:
+            raise status_error(exc, "exec") from None
+        except BaseException:
+            call.cancel()
+            raise
+
+    async def read_file(self, sandbox: str, path: str, max_bytes: int) -> bytes:
+        try:
+            resp = await self._stub.ReadFile(
+                pb.ReadFileRequest(sandbox=sandbox, path=path, max_bytes=max_bytes), timeout=60
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise status_error(exc, f"read {path}") from None
+        return resp.data
+
+    async def write_file(self, sandbox: str, path: str, data: bytes, mode: int) -> int:
+        try:
+            resp = await self._stub.WriteFile(
+                pb.WriteFileRequest(sandbox=sandbox, path=path, data=data, mode=mode), timeout=60
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise status_error(exc, f"write {path}") from None
+        return resp.size
+
+    async def signal(self, sandbox: str, exec_id: str, signum: int) -> int:
+        try:
+            resp = await self._stub.Signal(
+                pb.SignalRequest(sandbox=sandbox, exec_id=exec_id, signal=signum), timeout=10
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise status_error(exc, "signal") from None
+        return resp.delivered
+
+    async def health(self) -> pb.HealthResponse:
+        try:
+            return await self._stub.Health(pb.HealthRequest(), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            raise status_error(exc, "health") from None

@@ -1,0 +1,470 @@
+"""The apiserver: authenticates callers, places sandboxes and forwards work to edges.
+
+It serves ``dsec.api.v1.*`` in the queue group ``apiserver``, so any number can run. It holds
+no state of its own: nodes, sandboxes and tenants live in JetStream KV and are mirrored in
+memory through watches. Every apiserver also watches for nodes whose heartbeats stop: the first
+to mark one down (compare-and-set) reports that node's sandboxes lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections import defaultdict, deque
+from contextlib import suppress
+from typing import Any
+
+from nats.aio.client import Client as NATS
+
+from dsec_kernel import __version__, bus, errors
+from dsec_kernel.config import ApiSettings
+from dsec_kernel.placement import NodeView, PlacementPolicy, PlacementRequest
+from dsec_kernel.plugins import Hooks
+from dsec_kernel.state import NODES, SANDBOXES, TENANTS, ClusterState, Mirror, token_key
+from dsec_kernel.wire import (
+    CreateRequest,
+    CreateResponse,
+    DestroyRequest,
+    DestroyResponse,
+    EdgeCreateRequest,
+    EdgeCreateResponse,
+    EdgeSandbox,
+    ExecRequest,
+    ExecResponse,
+    ExecResult,
+    FncallRequest,
+    ListRequest,
+    ListResponse,
+    NodeInfo,
+    NodesResponse,
+    ReadFileRequest,
+    SandboxInfo,
+    StatusRequest,
+    WriteFileRequest,
+)
+
+__all__ = ["ApiServer"]
+
+log = logging.getLogger(__name__)
+
+#: seconds added to a command's own timeout for the round trip through the edge
+EXEC_MARGIN_S = 15.0
+
+
+def new_sandbox_id() -> str:
+    return "sb-" + secrets.token_hex(8)
+
+
+class ApiServer:
+    """``await start()`` to serve; ``await stop()`` drains requests in flight."""
+
+    def __init__(
+        self, nc: NATS, settings: ApiSettings, hooks: Hooks, policy: PlacementPolicy
+    ) -> None:
+        self.nc = nc
+        self.settings = settings
+        self.hooks = hooks
+        self.policy = policy
+        self.state: ClusterState | None = None
+        self.views: dict[str, NodeView] = {}
+        self._seen: dict[str, float] = {}
+        self._placed: dict[str, deque[tuple[float, str, int]]] = defaultdict(deque)
+        self._down: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self._fncall_inflight: dict[str, int] = defaultdict(int)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._drain: Any = None
+        self._mirrors: list[Mirror[Any]] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.state = await ClusterState.open(self.nc, replicas=self.settings.kv_replicas)
+        js = self.state.js
+        self.nodes = Mirror(js, NODES, NodeInfo.model_validate_json, self._node_changed)
+        self.sandboxes = Mirror(js, SANDBOXES, SandboxInfo.model_validate_json)
+        self.tenants = Mirror(js, TENANTS, lambda b: json.loads(b)["tenant"])
+        for m in (self.nodes, self.sandboxes, self.tenants):
+            await m.start()
+            self._mirrors.append(m)
+        now = time.monotonic()
+        for name, (info, _) in self.nodes.items.items():
+            self.views[name] = NodeView(info)
+            self._seen[name] = now  # a fresh apiserver gives every node a full timeout
+        self.hooks.configure("apiserver", None)
+        ops = {
+            "create": self._create,
+            "destroy": self._destroy,
+            "list": self._list,
+            "status": self._status,
+            "exec": self._exec,
+            "fncall": self._fncall,
+            "file.read": self._read_file,
+            "file.write": self._write_file,
+            "nodes": self._nodes,
+        }
+        _, self._drain = await bus.serve(
+            self.nc,
+            name="dsec-apiserver",
+            version=__version__,
+            description="DSec apiserver: sandboxes, commands and files",
+            queue_group="apiserver",
+            endpoints={bus.api_subject(op): h for op, h in ops.items()},
+        )
+        self._tasks = [
+            asyncio.create_task(self._loop(self.settings.node_timeout_s / 4, self.check_nodes)),
+            asyncio.create_task(self._loop(1.0, self.reap_expired)),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with suppress(asyncio.CancelledError):
+                await t
+        if self._drain is not None:
+            await self._drain()
+        for m in self._mirrors:
+            await m.stop()
+
+    async def _loop(self, interval: float, fn: Any) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await fn()
+            except Exception:
+                log.exception("%s failed", fn.__name__)
+
+    # -- nodes -------------------------------------------------------------------------------
+
+    def _node_changed(self, name: str, info: NodeInfo | None) -> None:
+        if info is None:
+            self.views.pop(name, None)
+            return
+        view = self.views.get(name)
+        if view is None or info.heartbeat_at != view.info.heartbeat_at:
+            self._seen[name] = time.monotonic()
+        if view is None:
+            view = self.views[name] = NodeView(info)
+        view.info = info
+        if info.state == "up":
+            self._down.pop(name, None)
+        placed = self._placed[name]
+        while placed and placed[0][0] < info.heartbeat_at:
+            placed.popleft()
+        view.pending = {}
+        for _, backend, n in placed:
+            view.pending[backend] = view.pending.get(backend, 0) + n
+
+    async def check_nodes(self) -> None:
+        """Mark nodes down whose heartbeats stopped, and report their sandboxes lost."""
+        assert self.state is not None
+        now = time.monotonic()
+        for name, (info, rev) in list(self.nodes.items.items()):
+            silent = now - self._seen.get(name, now)
+            if info.state != "up" or silent < self.settings.node_timeout_s:
+                continue
+            down = info.model_copy(update={"state": "down"})
+            try:
+                await self.state.cas_node(down, rev)
+            except errors.Conflict:
+                continue  # it heartbeated meanwhile, or another apiserver took it
+            self._down[name].set()
+            lost = []
+            for sid, (sb, srev) in list(self.sandboxes.items.items()):
+                if sb.node == name and sb.state == "ready":
+                    with suppress(errors.Conflict):
+                        await self.state.cas_sandbox(sb.model_copy(update={"state": "lost"}), srev)
+                        lost.append(sid)
+            log.warning("node %s silent for %.1fs: down, %d sandbox(es) lost", name, silent, len(lost))
+            await self.hooks.node_down(down, lost)
+
+    async def _nodes(self, req: bus.Request) -> NodesResponse:
+        await self._auth(req)
+        return NodesResponse(nodes=[v.info for v in self.views.values()])
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    async def _auth(self, req: bus.Request) -> str:
+        token = (req.headers or {}).get(bus.TOKEN_HEADER)
+        tenant = self.tenants.get(token_key(token)) if token else None
+        if tenant is None and token:  # a tenant created a moment ago, not yet mirrored
+            with suppress(Exception):
+                entry = await self.state.tenants.get(token_key(token))  # type: ignore[union-attr]
+                tenant = json.loads(entry.value)["tenant"]
+        if tenant is None:
+            raise errors.Unauthenticated(
+                "missing or unknown credential: pass token= / set DSEC_TOKEN, or use the "
+                "connection file that `dsec up` writes"
+            )
+        return tenant
+
+    async def _lookup(self, tenant: str, sandbox_id: str, allow_lost: bool = False) -> SandboxInfo:
+        """The caller's sandbox, or NotFound / SandboxLost (unless ``allow_lost``)."""
+        info = self.sandboxes.get(sandbox_id)
+        if info is None:
+            assert self.state is not None
+            hit = await self.state.get_sandbox(sandbox_id)  # created through another apiserver
+            info = hit[0] if hit else None
+        if info is None or info.tenant != tenant:
+            raise errors.NotFound(f"no sandbox {sandbox_id} (destroyed, expired, or not yours)")
+        if info.state == "lost" and not allow_lost:
+            raise errors.SandboxLost(
+                f"sandbox {sandbox_id} was lost when node {info.node} went down; create a new one"
+            )
+        return info
+
+    async def _edge(self, node: str, op: str, data: bytes, timeout: float) -> bytes:
+        """Call a node's edge; fails early with Unavailable if the node is marked down."""
+        down = self._down[node]
+        call = asyncio.ensure_future(
+            bus.request_raw(self.nc, bus.edge_subject(node, op), data, timeout=timeout)
+        )
+        waiter = asyncio.ensure_future(down.wait())
+        try:
+            await asyncio.wait({call, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not call.done():
+            call.cancel()
+            raise errors.Unavailable(f"node {node} went down during the request")
+        return call.result()
+
+    # -- sandboxes ---------------------------------------------------------------------------
+
+    async def _create(self, req: bus.Request) -> CreateResponse:
+        tenant = await self._auth(req)
+        r = CreateRequest.model_validate_json(req.data)
+        backend = r.spec.backend
+        if not any(v.info.backend(backend) for v in self.views.values()):
+            known = sorted({b.name for v in self.views.values() for b in v.info.backends})
+            raise errors.UnknownBackend(
+                f"no node runs backend {backend!r}; backends in this cluster: "
+                f"{', '.join(known) or 'none (is an edge running?)'}"
+            )
+        now = time.time()
+        expires = now + r.spec.ttl_s if r.spec.ttl_s else None
+        todo = [
+            EdgeSandbox(id=new_sandbox_id(), tenant=tenant, spec=r.spec, created_at=now,
+                        expires_at=expires)
+            for _ in range(r.count)
+        ]
+        created: list[SandboxInfo] = []
+        excluded: set[str] = set()
+        error: errors.DsecError | None = None
+        for _attempt in range(3):
+            try:
+                created_now, todo, error = await self._place_and_create(tenant, r, todo, excluded)
+            except errors.DsecError as exc:
+                error = exc
+                break
+            created += created_now
+            if not todo or (error is not None and not error.retryable):
+                break
+        if todo:
+            await self._rollback(created)
+            raise error or errors.Internal("creation failed")
+        try:
+            revs = await self.state.put_sandboxes(created)  # type: ignore[union-attr]
+        except Exception as exc:
+            await self._rollback(created)
+            raise errors.Unavailable(f"could not record the sandboxes: {exc}") from exc
+        for info in created:
+            self.sandboxes.items[info.id] = (info, revs[info.id])
+        return CreateResponse(sandboxes=created)
+
+    async def _place_and_create(
+        self, tenant: str, r: CreateRequest, todo: list[EdgeSandbox], excluded: set[str]
+    ) -> tuple[list[SandboxInfo], list[EdgeSandbox], errors.DsecError | None]:
+        """One placement round: returns (created, still to do, last error)."""
+        views = [v for n, v in self.views.items() if n not in excluded]
+        nodes = self.policy.place(PlacementRequest(tenant, r.spec, len(todo)), views)
+        groups: dict[str, list[EdgeSandbox]] = defaultdict(list)
+        for sb, node in zip(todo, nodes, strict=True):
+            groups[node].append(sb)
+        now = time.time()
+        for node, items in groups.items():
+            self._placed[node].append((now, r.spec.backend, len(items)))
+            pending = self.views[node].pending
+            pending[r.spec.backend] = pending.get(r.spec.backend, 0) + len(items)
+
+        async def one(node: str, items: list[EdgeSandbox]) -> EdgeCreateResponse:
+            data = EdgeCreateRequest(sandboxes=items).model_dump_json().encode()
+            raw = await self._edge(node, "create", data, self.settings.edge_timeout_s)
+            return EdgeCreateResponse.model_validate_json(raw)
+
+        results = await asyncio.gather(
+            *(one(n, items) for n, items in groups.items()), return_exceptions=True
+        )
+        created: list[SandboxInfo] = []
+        retry: list[EdgeSandbox] = []
+        error: errors.DsecError | None = None
+        for (node, items), res in zip(groups.items(), results, strict=True):
+            if isinstance(res, BaseException):
+                if not isinstance(res, errors.DsecError):
+                    raise res
+                error = res
+                excluded.add(node)
+                retry += items
+                continue
+            created += res.created
+            by_id = {sb.id: sb for sb in items}
+            for f in res.failed:
+                error = errors.error_class(f.error.code)(
+                    f"node {node}: {f.error.message}", retryable=f.error.retryable
+                )
+                excluded.add(node)
+                retry.append(by_id[f.id])
+        return created, retry, error
+
+    async def _rollback(self, created: list[SandboxInfo]) -> None:
+        """Destroy sandboxes of a create that failed as a whole."""
+        groups: dict[str, list[str]] = defaultdict(list)
+        for info in created:
+            groups[info.node].append(info.id)
+        for node, ids in groups.items():
+            data = DestroyRequest(ids=ids).model_dump_json().encode()
+            try:
+                await self._edge(node, "destroy", data, self.settings.edge_timeout_s)
+            except errors.DsecError as exc:  # the edge's reconciliation removes them later
+                log.warning("rollback on %s failed (%s); its edge will reconcile", node, exc)
+
+    async def _destroy(self, req: bus.Request) -> DestroyResponse:
+        tenant = await self._auth(req)
+        r = DestroyRequest.model_validate_json(req.data)
+        found: list[SandboxInfo] = []
+        out = DestroyResponse()
+        for sid in dict.fromkeys(r.ids):
+            try:
+                found.append(await self._lookup(tenant, sid, allow_lost=True))
+            except errors.NotFound:
+                out.not_found.append(sid)
+        out.destroyed = await self.destroy_sandboxes(found)
+        return out
+
+    async def destroy_sandboxes(self, infos: list[SandboxInfo]) -> list[str]:
+        """Destroy on their edges (lost ones need no edge), then delete the records.
+
+        Raises the first edge error after deleting what was destroyed; retrying is safe.
+        """
+        assert self.state is not None
+        done = [i.id for i in infos if i.state == "lost" or self.views.get(i.node) is None]
+        groups: dict[str, list[str]] = defaultdict(list)
+        for info in infos:
+            if info.id not in done:
+                groups[info.node].append(info.id)
+        error: errors.DsecError | None = None
+
+        async def one(node: str, ids: list[str]) -> None:
+            nonlocal error
+            data = DestroyRequest(ids=ids).model_dump_json().encode()
+            try:
+                await self._edge(node, "destroy", data, self.settings.edge_timeout_s)
+            except errors.DsecError as exc:
+                if self.views[node].info.state == "down":
+                    done.extend(ids)  # the node is gone; so are its sandboxes
+                else:
+                    error = exc
+                return
+            done.extend(ids)
+
+        await asyncio.gather(*(one(n, ids) for n, ids in groups.items()))
+        await self.state.delete_sandboxes(done)
+        for sid in done:
+            self.sandboxes.items.pop(sid, None)
+        if error is not None:
+            raise error
+        return done
+
+    async def reap_expired(self) -> None:
+        """Destroy sandboxes past their TTL."""
+        now = time.time()
+        expired = [
+            info
+            for info, _ in self.sandboxes.items.values()
+            if info.expires_at is not None and info.expires_at < now
+        ]
+        if expired:
+            log.info("destroying %d sandbox(es) past their ttl", len(expired))
+            await self.destroy_sandboxes(expired)
+
+    async def _list(self, req: bus.Request) -> ListResponse:
+        tenant = await self._auth(req)
+        r = ListRequest.model_validate_json(req.data)
+        want = r.labels.items()
+        return ListResponse(
+            sandboxes=[
+                info
+                for info, _ in self.sandboxes.items.values()
+                if info.tenant == tenant and want <= info.labels.items()
+            ]
+        )
+
+    async def _status(self, req: bus.Request) -> SandboxInfo:
+        tenant = await self._auth(req)
+        r = StatusRequest.model_validate_json(req.data)
+        return await self._lookup(tenant, r.id, allow_lost=True)
+
+    # -- work --------------------------------------------------------------------------------
+
+    async def _exec(self, req: bus.Request) -> bytes | ExecResponse:
+        tenant = await self._auth(req)
+        r = ExecRequest.model_validate_json(req.data)
+        timeout = r.timeout_s + EXEC_MARGIN_S
+        if len(r.sandbox_ids) == 1:
+            info = await self._lookup(tenant, r.sandbox_ids[0])
+            return await self._edge(info.node, "exec", req.data, timeout)
+        results: dict[str, ExecResult] = {}
+        groups: dict[str, list[str]] = defaultdict(list)
+        for sid in dict.fromkeys(r.sandbox_ids):
+            try:
+                groups[(await self._lookup(tenant, sid)).node].append(sid)
+            except errors.DsecError as exc:
+                results[sid] = ExecResult(sandbox_id=sid, exit_code=-1, error=exc.to_wire())
+
+        async def one(node: str, ids: list[str]) -> None:
+            data = r.model_copy(update={"sandbox_ids": ids}).model_dump_json().encode()
+            try:
+                resp = ExecResponse.model_validate_json(await self._edge(node, "exec", data, timeout))
+                results.update((x.sandbox_id, x) for x in resp.results)
+            except errors.DsecError as exc:
+                for sid in ids:
+                    results[sid] = ExecResult(sandbox_id=sid, exit_code=-1, error=exc.to_wire())
+
+        await asyncio.gather(*(one(n, ids) for n, ids in groups.items()))
+        return ExecResponse(results=[results[sid] for sid in r.sandbox_ids])
+
+    async def _fncall(self, req: bus.Request) -> bytes:
+        tenant = await self._auth(req)
+        r = FncallRequest.model_validate_json(req.data)
+        if r.sandbox_id:
+            node = (await self._lookup(tenant, r.sandbox_id)).node
+        else:
+            serving = [
+                v.name
+                for v in self.views.values()
+                if v.info.state == "up"
+                and any(r.language in b.capabilities.fncall_languages for b in v.info.backends)
+            ]
+            if not serving:
+                raise errors.Unsupported(f"no node serves {r.language!r} fncalls")
+            node = min(
+                serving, key=lambda n: self._fncall_inflight[n] + self.views[n].info.load.running_execs
+            )
+        self._fncall_inflight[node] += 1
+        try:
+            return await self._edge(node, "fncall", req.data, r.timeout_s + EXEC_MARGIN_S)
+        finally:
+            self._fncall_inflight[node] -= 1
+
+    async def _read_file(self, req: bus.Request) -> bytes:
+        r = ReadFileRequest.model_validate_json(req.data)
+        info = await self._lookup(await self._auth(req), r.sandbox_id)
+        return await self._edge(info.node, "file.read", req.data, self.settings.edge_timeout_s)
+
+    async def _write_file(self, req: bus.Request) -> bytes:
+        r = WriteFileRequest.model_validate_json(req.data)
+        info = await self._lookup(await self._auth(req), r.sandbox_id)
+        return await self._edge(info.node, "file.write", req.data, self.settings.edge_timeout_s)

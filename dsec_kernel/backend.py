@@ -1,0 +1,192 @@
+"""The backend contract: what a sandbox backend plugin implements.
+
+A backend is a class registered under the ``dsec.backends`` entry-point group. The edge
+instantiates it with its validated ``Config``, calls :meth:`Backend.start` once, then the
+methods below, concurrently, from one asyncio event loop. Every method takes and returns
+pydantic models; every failure is a :class:`~dsec_kernel.errors.DsecError`.
+
+Postconditions every backend keeps (the conformance suite, :mod:`dsec_kernel.conformance`,
+checks them):
+
+* ``create`` leaves the sandbox ready, or raises having left nothing behind.
+* ``destroy`` is idempotent: destroying what is already gone succeeds.
+* command output is capped at ``max_output_bytes`` per stream and the cap is reported
+  (``truncated``); a command past ``timeout_s`` is killed with everything it started
+  (``timed_out``, exit code -9).
+* a method whose capability is not declared raises :class:`~dsec_kernel.errors.Unsupported`.
+* unknown sandbox ids raise :class:`~dsec_kernel.errors.NotFound`.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec_kernel import errors
+from dsec_kernel.wire import (
+    Capabilities,
+    EdgeSandbox,
+    ExecResult,
+    FncallRequest,
+    Limits,
+    ReadFileRequest,
+    ReadFileResponse,
+    SandboxId,
+    WriteFileRequest,
+    WriteFileResponse,
+)
+
+if TYPE_CHECKING:
+    from dsec_kernel.plugins import Hooks
+
+__all__ = [
+    "Backend",
+    "BackendContext",
+    "Capabilities",
+    "ExecCall",
+    "NoConfig",
+    "SandboxRef",
+    "SandboxStatus",
+    "SnapshotRef",
+]
+
+
+class NoConfig(BaseModel):
+    """Configuration of a backend that takes none."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """What the edge hands a backend at start.
+
+    ``state_dir`` is a directory private to this backend on this node; it survives edge
+    restarts. ``hooks`` is the facade over every loaded plugin's hooks.
+    """
+
+    node: str
+    state_dir: Path
+    hooks: Hooks
+
+
+class SandboxRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sandbox_id: SandboxId
+
+
+class ExecCall(BaseModel):
+    """One command in one sandbox (the edge splits batch requests into these)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sandbox_id: SandboxId
+    argv: list[str] = Field(min_length=1)
+    timeout_s: float = Field(gt=0)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    user: str | None = None
+    stdin: bytes = b""
+    max_output_bytes: int = Field(ge=0)
+    limits: Limits = Field(default_factory=Limits)
+    exec_id: str = ""
+
+
+class SandboxStatus(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    sandbox_id: SandboxId
+    state: str = Field(description="ready | paused | ... (backend's own view)")
+    running_execs: int = 0
+
+
+class SnapshotRef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    snapshot_id: str
+    sandbox_id: SandboxId
+
+
+class Backend(abc.ABC):
+    """A sandbox backend. Subclasses set ``name``, ``capabilities`` and ``Config``."""
+
+    #: the entry-point name (``fncall``, ``container``...)
+    name: ClassVar[str]
+    #: what this backend can do, declared as data
+    capabilities: ClassVar[Capabilities]
+    #: the backend's configuration model (``extra="forbid"``)
+    Config: ClassVar[type[BaseModel]] = NoConfig
+    #: run by an edge that is not told which backends to run (False: only when named)
+    default_enabled: ClassVar[bool] = True
+
+    def __init__(self, config: BaseModel | None = None) -> None:
+        self.config = config if config is not None else self.Config()
+
+    # -- availability -----------------------------------------------------------------------
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run on this machine (``None``: it can). Cheap; no side effects.
+
+        The edge skips a backend that returns a reason, and prints it.
+        """
+        return None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, ctx: BackendContext) -> None:  # noqa: B027 - optional hook
+        """Called once before any other method. Raise to refuse to start (the edge stops)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release everything the backend started. Sandboxes may be left for a restart to adopt."""
+
+    @abc.abstractmethod
+    async def create(self, sandbox: EdgeSandbox) -> SandboxStatus:
+        """Create a sandbox with the given id. Ready on return, or raise having cleaned up."""
+
+    @abc.abstractmethod
+    async def destroy(self, ref: SandboxRef) -> None:
+        """Destroy a sandbox and everything in it. Idempotent."""
+
+    @abc.abstractmethod
+    async def status(self, ref: SandboxRef) -> SandboxStatus:
+        """The sandbox's state; NotFound if it does not exist."""
+
+    @abc.abstractmethod
+    async def list_sandboxes(self) -> list[str]:
+        """Ids of every sandbox this backend holds on this node (for reconciliation)."""
+
+    # -- work inside a sandbox ---------------------------------------------------------------
+
+    async def exec(self, call: ExecCall) -> ExecResult:
+        """Run a command; see the module docstring for timeouts and output caps."""
+        raise errors.Unsupported(f"the {self.name} backend does not run commands")
+
+    async def fncall(self, request: FncallRequest) -> ExecResult:
+        """Run ``request.code`` in a throw-away sandbox (capability ``fncall_languages``)."""
+        raise errors.Unsupported(f"the {self.name} backend does not serve fncall")
+
+    async def read_file(self, request: ReadFileRequest) -> ReadFileResponse:
+        raise errors.Unsupported(f"the {self.name} backend has no files")
+
+    async def write_file(self, request: WriteFileRequest) -> WriteFileResponse:
+        raise errors.Unsupported(f"the {self.name} backend has no files")
+
+    # -- state -------------------------------------------------------------------------------
+
+    async def snapshot(self, ref: SandboxRef) -> SnapshotRef:
+        raise errors.Unsupported(f"the {self.name} backend cannot snapshot")
+
+    async def restore(self, snapshot: SnapshotRef) -> None:
+        raise errors.Unsupported(f"the {self.name} backend cannot restore")
+
+    async def pause(self, ref: SandboxRef) -> None:
+        raise errors.Unsupported(f"the {self.name} backend cannot pause")
+
+    async def resume(self, ref: SandboxRef) -> None:
+        raise errors.Unsupported(f"the {self.name} backend cannot resume")

@@ -1,0 +1,236 @@
+"""The ``dsec`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from dsec_kernel import __version__, errors
+
+__all__ = ["main"]
+
+
+def _csv(value: str) -> list[str]:
+    return [v for v in value.split(",") if v]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsec", description="DSec: elastic sandboxes for agentic RL")
+    p.add_argument("--version", action="version", version=f"dsec {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("up", help="run NATS + apiserver + edge on this machine")
+    s.add_argument("--state-dir", type=Path, help="where state, logs and the connection file go")
+    s.add_argument("--port", type=int, default=0, help="NATS client port (default: a free one)")
+    s.add_argument("--node", help="this node's name (default: the host name)")
+    s.add_argument("--backends", type=_csv, help="backends to run (default: all that can)")
+    s.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...: run CMD, then stop")
+
+    s = sub.add_parser("apiserver", help="run an apiserver against an existing NATS")
+    s.add_argument("--nats-url")
+    s.add_argument("--placement", help="placement policy (default least-loaded)")
+    s.add_argument("--node-timeout", type=float, dest="node_timeout_s")
+
+    s = sub.add_parser("edge", help="run this node's edge against an existing NATS")
+    s.add_argument("--nats-url")
+    s.add_argument("--node")
+    s.add_argument("--pool")
+    s.add_argument("--state-dir", type=Path)
+    s.add_argument("--backends", type=_csv)
+    s.add_argument("--heartbeat", type=float, dest="heartbeat_s")
+
+    sub.add_parser("plugins", help="list installed plugins by group")
+
+    s = sub.add_parser("schema", help="write the wire messages' JSON Schemas")
+    s.add_argument("--out", type=Path, help="directory (default: print one JSON document)")
+
+    s = sub.add_parser("tenant", help="manage tenants (operator; talks to NATS directly)")
+    s.add_argument("action", choices=["create"])
+    s.add_argument("name")
+    s.add_argument("--nats-url", default=None)
+
+    s = sub.add_parser("create", help="create sandboxes")
+    s.add_argument("--count", type=int, default=1)
+    s.add_argument("--backend", default="fncall")
+    s.add_argument("--ttl", type=float)
+
+    sub.add_parser("ls", help="list your sandboxes")
+    sub.add_parser("nodes", help="list nodes")
+
+    s = sub.add_parser("exec", help="run a command in a sandbox")
+    s.add_argument("sandbox")
+    s.add_argument("--timeout", type=float, default=60.0)
+    s.add_argument("command", nargs=argparse.REMAINDER)
+
+    s = sub.add_parser("fncall", help="run code in a throw-away sandbox")
+    s.add_argument("code")
+    s.add_argument("--language", default="python")
+    s.add_argument("--timeout", type=float, default=30.0)
+
+    s = sub.add_parser("destroy", help="destroy sandboxes")
+    s.add_argument("sandboxes", nargs="*")
+    s.add_argument("--all", action="store_true", help="every sandbox of yours")
+    return p
+
+
+def _cmd_plugins() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from dsec_kernel.plugins import GROUPS, discover
+
+    table = Table("group", "name", "distribution", "version", "status / capabilities")
+    for group in GROUPS:
+        for info in discover(group):
+            if info.error:
+                status = f"[red]broken: {info.error}[/red]"
+            elif group == "dsec.backends":
+                reason = info.obj.unavailable_reason()
+                caps = info.obj.capabilities.model_dump(exclude_defaults=True)
+                status = f"[yellow]cannot run here: {reason}[/yellow]" if reason else json.dumps(caps)
+            else:
+                status = "ok"
+            table.add_row(group, info.name, info.distribution, info.version, status)
+    Console().print(table)
+    return 0
+
+
+def _cmd_schema(out: Path | None) -> int:
+    from dsec_kernel.wire import json_schemas
+
+    schemas = json_schemas()
+    if out is None:
+        print(json.dumps(schemas, indent=2, sort_keys=True))
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    for name, schema in schemas.items():
+        (out / f"{name}.json").write_text(json.dumps(schema, indent=2, sort_keys=True) + "\n")
+    print(f"wrote {len(schemas)} schemas to {out}")
+    return 0
+
+
+async def _cmd_tenant(name: str, url: str | None) -> int:
+    from dsec_kernel import bus
+    from dsec_kernel.connection import resolve
+    from dsec_kernel.state import ClusterState
+
+    url = url or resolve().url
+    nc = await bus.connect(url, name="dsec-cli")
+    try:
+        token = await (await ClusterState.open(nc, create=False)).create_tenant(name)
+    finally:
+        await nc.drain()
+    print(token)
+    return 0
+
+
+async def _client_cmd(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from dsec_kernel.sdk import AsyncClient
+
+    console = Console()
+    async with AsyncClient() as c:
+        if args.cmd == "create":
+            with Progress(console=console, transient=False) as bar:
+                task = bar.add_task(f"creating {args.count} {args.backend}", total=args.count)
+                sbs = await c.create(
+                    args.count, backend=args.backend, ttl=args.ttl,
+                    progress=lambda done, total: bar.update(task, completed=done),
+                )
+            for sb in sbs[:20]:
+                print(sb.id)
+            if len(sbs) > 20:
+                print(f"... and {len(sbs) - 20} more (`dsec ls` lists them)")
+        elif args.cmd == "ls":
+            table = Table("id", "backend", "node", "state", "expires")
+            for sb in await c.list():
+                table.add_row(sb.id, sb.backend, sb.node, sb.info.state, _when(sb.info.expires_at))
+            console.print(table)
+        elif args.cmd == "nodes":
+            table = Table("node", "state", "pool", "backends", "sandboxes", "cpu load")
+            for n in await c.nodes():
+                table.add_row(
+                    n.node, n.state, n.pool, ",".join(b.name for b in n.backends),
+                    str(n.load.sandboxes), f"{n.load.cpu_load:.2f}",
+                )
+            console.print(table)
+        elif args.cmd == "exec":
+            command = args.command[1:] if args.command[:1] == ["--"] else args.command
+            if not command:
+                raise errors.InvalidArgument("give the command after the sandbox id: dsec exec ID -- CMD")
+            r = await (await c.get(args.sandbox)).exec(command, timeout=args.timeout)
+            return _print_result(r)
+        elif args.cmd == "fncall":
+            return _print_result(await c.fncall(args.code, language=args.language, timeout=args.timeout))
+        elif args.cmd == "destroy":
+            targets: list[Any] = await c.list() if args.all else args.sandboxes
+            done = await c.destroy(targets) if targets else []
+            print(f"destroyed {len(done)}")
+    return 0
+
+
+def _when(t: float | None) -> str:
+    import time
+
+    return "-" if t is None else f"in {max(0, t - time.time()):.0f}s"
+
+
+def _print_result(r: Any) -> int:
+    sys.stdout.buffer.write(r.stdout)
+    sys.stderr.buffer.write(r.stderr)
+    if r.timed_out:
+        print(f"dsec: timed out after {r.duration_s:.1f}s", file=sys.stderr)
+    if r.truncated:
+        print("dsec: output truncated", file=sys.stderr)
+    return r.exit_code if 0 <= r.exit_code < 256 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from dsec_kernel.plugins import PluginLoadError
+
+    try:
+        if args.cmd == "up":
+            from dsec_kernel.cli.up import up
+
+            command = args.command[1:] if args.command[:1] == ["--"] else args.command
+            return up(args.state_dir, args.port, args.node, args.backends, command)
+        if args.cmd == "apiserver":
+            from dsec_kernel.cli.services import run_apiserver
+
+            run_apiserver(nats_url=args.nats_url, placement=args.placement, node_timeout_s=args.node_timeout_s)
+            return 0
+        if args.cmd == "edge":
+            from dsec_kernel.cli.services import run_edge
+
+            run_edge(
+                nats_url=args.nats_url, node=args.node, pool=args.pool, state_dir=args.state_dir,
+                backends=args.backends, heartbeat_s=args.heartbeat_s,
+            )
+            return 0
+        if args.cmd == "plugins":
+            return _cmd_plugins()
+        if args.cmd == "schema":
+            return _cmd_schema(args.out)
+        if args.cmd == "tenant":
+            return asyncio.run(_cmd_tenant(args.name, args.nats_url))
+        return asyncio.run(_client_cmd(args))
+    except errors.DsecError as exc:
+        print(f"dsec: {exc}", file=sys.stderr)
+        return 2
+    except PluginLoadError as exc:
+        print(f"dsec: {exc}", file=sys.stderr)
+        return 3

@@ -1,0 +1,81 @@
+"""``dsec apiserver`` and ``dsec edge``: run one piece against an existing NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from dsec_kernel import bus
+from dsec_kernel.apiserver import ApiServer
+from dsec_kernel.config import ApiSettings, EdgeSettings
+from dsec_kernel.edge import Edge, load_backends
+from dsec_kernel.plugins import Hooks, load_drivers
+
+__all__ = ["run_apiserver", "run_edge", "serve_until_signalled"]
+
+log = logging.getLogger("dsec")
+
+
+def _install_fast_loop() -> None:
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def serve_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Run ``main(stop)`` on a fresh loop; SIGINT/SIGTERM set ``stop``."""
+    _install_fast_loop()
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    asyncio.run(runner())
+
+
+async def _apiserver(settings: ApiSettings, stop: asyncio.Event) -> None:
+    hooks = Hooks.load(guards=settings.guards)
+    policy_cls = load_drivers("dsec.placement", [settings.placement])[settings.placement].obj
+    nc = await bus.connect(settings.nats_url, name="dsec-apiserver", credentials=settings.nats_credentials)
+    server = ApiServer(nc, settings, hooks, policy_cls(hooks))
+    try:
+        await server.start()
+        log.info("apiserver ready on %s (placement %s)", settings.nats_url, settings.placement)
+        await stop.wait()
+    finally:
+        await server.stop()
+        await nc.drain()
+
+
+async def _edge(settings: EdgeSettings, stop: asyncio.Event) -> None:
+    backends, skipped = load_backends(settings)
+    for name, reason in skipped.items():
+        log.warning("backend %s skipped: %s", name, reason)
+    hooks = Hooks.load(guards=settings.guards)
+    nc = await bus.connect(settings.nats_url, name=f"dsec-edge-{settings.node}", credentials=settings.nats_credentials)
+    edge = Edge(nc, settings, backends, hooks)
+    try:
+        await edge.start()
+        log.info("edge %s ready with %s", settings.node, ", ".join(backends))
+        await stop.wait()
+    finally:
+        await edge.stop()
+        await nc.drain()
+
+
+def run_apiserver(**overrides: Any) -> None:
+    settings = ApiSettings(**{k: v for k, v in overrides.items() if v is not None})
+    serve_until_signalled(lambda stop: _apiserver(settings, stop))
+
+
+def run_edge(**overrides: Any) -> None:
+    settings = EdgeSettings(**{k: v for k, v in overrides.items() if v is not None})
+    serve_until_signalled(lambda stop: _edge(settings, stop))

@@ -1,0 +1,68 @@
+"""Typed configuration, read from ``DSEC_*`` environment variables and command-line flags.
+
+Nested fields use ``__``: ``DSEC_BACKEND_CONFIG__FNCALL__POOL_SIZE=32`` sets the fncall
+backend's ``pool_size``. docs/configuration.md lists every setting.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from dsec_kernel.wire import NAME_PATTERN
+
+__all__ = ["ApiSettings", "EdgeSettings", "default_node_name", "default_state_dir"]
+
+
+def default_state_dir() -> Path:
+    """``$DSEC_STATE_DIR``, else ``~/.dsec``."""
+    return Path(os.environ.get("DSEC_STATE_DIR") or Path.home() / ".dsec")
+
+
+def default_node_name() -> str:
+    """The host name, made safe as a node name."""
+    name = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())
+    return name.strip("-_")[:63] or "node"
+
+
+class _Common(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="DSEC_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server(s), comma separated")
+    nats_credentials: str | None = Field(None, description="NATS .creds file, if required")
+    heartbeat_s: float = Field(1.0, gt=0, le=60, description="edge heartbeat interval")
+    kv_replicas: int = Field(1, ge=1, le=5, description="copies of each KV bucket")
+    guards: list[str] | None = Field(None, description="guard plugins; all installed when unset")
+
+
+class ApiSettings(_Common):
+    """Settings of an apiserver process."""
+
+    placement: str = Field("least-loaded", description="the dsec.placement policy to use")
+    node_timeout_s: float = Field(
+        5.0, gt=0, description="a node silent this long is marked down, its sandboxes lost"
+    )
+    edge_timeout_s: float = Field(30.0, gt=0, description="longest wait for an edge's answer")
+
+
+class EdgeSettings(_Common):
+    """Settings of an edge process (one per node)."""
+
+    node: str = Field(default_factory=default_node_name, pattern=NAME_PATTERN)
+    pool: str = Field("default", pattern=NAME_PATTERN, description="node pool label")
+    state_dir: Path = Field(default_factory=default_state_dir)
+    backends: list[str] | None = Field(
+        None, description="backends to run; every installed one this machine can run when unset"
+    )
+    backend_config: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per-backend configuration, validated by the backend"
+    )
+    create_concurrency: int = Field(64, ge=1, description="sandboxes created at once per backend")
+    reconcile_s: float = Field(60.0, gt=0, description="interval between reconciliations")

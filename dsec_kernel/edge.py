@@ -1,0 +1,418 @@
+"""The edge: one daemon per node that runs the node's backends.
+
+It serves ``dsec.edge.<node>.v1.*`` for the apiservers, heartbeats the node's capacity and
+load into KV, and reconciles what really exists on the node with the cluster state: at start
+and every ``reconcile_s`` it adopts sandboxes the cluster still knows, destroys ones it does
+not (or that were reported lost), and reports lost the ones that are gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections import Counter
+from contextlib import suppress
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from pydantic import ValidationError
+
+from dsec_kernel import __version__, bus, errors
+from dsec_kernel.backend import Backend, BackendContext, ExecCall, SandboxRef
+from dsec_kernel.config import EdgeSettings
+from dsec_kernel.plugins import Hooks, PluginLoadError, discover, load_drivers
+from dsec_kernel.state import ClusterState
+from dsec_kernel.wire import (
+    BackendInfo,
+    DestroyRequest,
+    DestroyResponse,
+    EdgeCreateRequest,
+    EdgeCreateResponse,
+    EdgeSandbox,
+    ExecRequest,
+    ExecResponse,
+    ExecResult,
+    Failure,
+    FncallRequest,
+    NodeInfo,
+    NodeLoad,
+    ReadFileRequest,
+    SandboxInfo,
+    StatusRequest,
+    WriteFileRequest,
+    shell_argv,
+)
+
+__all__ = ["Edge", "load_backends"]
+
+log = logging.getLogger(__name__)
+
+
+def load_backends(settings: EdgeSettings) -> tuple[dict[str, Backend], dict[str, str]]:
+    """Instantiate the node's backends; returns (backends, {skipped name: reason}).
+
+    With ``settings.backends`` unset, every installed backend this machine can run is used and
+    the others are skipped with their reason. A backend named explicitly that is missing,
+    broken, misconfigured or cannot run here raises :class:`PluginLoadError`.
+    """
+    skipped: dict[str, str] = {}
+    if settings.backends is None:
+        classes = {}
+        for p in discover("dsec.backends"):
+            if p.error:
+                skipped[p.name] = f"plugin does not load: {p.error}"
+            elif not p.obj.default_enabled:
+                skipped[p.name] = "runs only when named in --backends / DSEC_BACKENDS"
+            else:
+                classes[p.name] = p.obj
+    else:
+        classes = {n: p.obj for n, p in load_drivers("dsec.backends", settings.backends).items()}
+    backends: dict[str, Backend] = {}
+    for name, cls in classes.items():
+        reason = cls.unavailable_reason()
+        if reason:
+            if settings.backends is not None:
+                raise PluginLoadError(f"backend {name!r} cannot run on this machine: {reason}")
+            skipped[name] = reason
+            continue
+        try:
+            config = cls.Config.model_validate(settings.backend_config.get(name, {}))
+        except ValidationError as exc:
+            raise PluginLoadError(
+                f"backend {name!r} configuration is invalid: {bus.validation_message(exc)}"
+            ) from None
+        backends[name] = cls(config)
+    unknown = set(settings.backend_config) - set(classes)
+    if unknown:
+        raise PluginLoadError(f"configuration given for unknown backend(s): {sorted(unknown)}")
+    return backends, skipped
+
+
+def _mem_available_mb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    return 0
+
+
+class Edge:
+    """One node's edge. ``await start()``, then it serves until ``await stop()``."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        settings: EdgeSettings,
+        backends: dict[str, Backend],
+        hooks: Hooks,
+    ) -> None:
+        if not backends:
+            raise PluginLoadError("no backend can run on this node; `dsec plugins` says why")
+        self.nc = nc
+        self.settings = settings
+        self.node = settings.node
+        self.backends = backends
+        self.hooks = hooks
+        self.edge_id = uuid.uuid4().hex
+        self.sandboxes: dict[str, SandboxInfo] = {}
+        self._counts: Counter[str] = Counter()
+        self._backend_infos = [
+            BackendInfo(name=n, version=_plugin_version(b), capabilities=b.capabilities)
+            for n, b in backends.items()
+        ]
+        self.running_execs = 0
+        self.started_at = time.time()
+        self.state: ClusterState | None = None
+        self._drain: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._create_slots = {n: asyncio.Semaphore(settings.create_concurrency) for n in backends}
+        self._started_backends: list[Backend] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.state = await ClusterState.open(self.nc, replicas=self.settings.kv_replicas)
+        for name, backend in self.backends.items():
+            self.hooks.register(backend)
+            state_dir = self.settings.state_dir / "backends" / name
+            state_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                await backend.start(BackendContext(self.node, state_dir, self.hooks))
+            except Exception as exc:
+                await self._close_backends()
+                raise PluginLoadError(f"backend {name!r} failed to start: {exc}") from exc
+            self._started_backends.append(backend)
+        self.hooks.configure("edge", self.node)
+        await self.reconcile()
+        await self._heartbeat()
+        ops = {
+            "create": self._create,
+            "destroy": self._destroy,
+            "exec": self._exec,
+            "fncall": self._fncall,
+            "file.read": self._read_file,
+            "file.write": self._write_file,
+            "status": self._status,
+        }
+        _, self._drain = await bus.serve(
+            self.nc,
+            name="dsec-edge",
+            version=__version__,
+            description=f"DSec edge of node {self.node}",
+            queue_group="edge",
+            endpoints={bus.edge_subject(self.node, op): h for op, h in ops.items()},
+        )
+        self._tasks = [
+            asyncio.create_task(self._every(self.settings.heartbeat_s, self._heartbeat)),
+            asyncio.create_task(self._every(self.settings.reconcile_s, self.reconcile)),
+        ]
+        log.info("edge %s serving backends %s", self.node, ", ".join(self.backends))
+
+    async def stop(self) -> None:
+        """Stop serving and heartbeating, then close the backends. Sandboxes stay for a restart."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with suppress(asyncio.CancelledError):
+                await t
+        if self._drain is not None:
+            await self._drain()
+        await self._close_backends()
+
+    async def _close_backends(self) -> None:
+        for backend in reversed(self._started_backends):
+            try:
+                await backend.close()
+            except Exception:
+                log.exception("closing backend %s failed", backend.name)
+        self._started_backends.clear()
+
+    async def _every(self, interval: float, fn: Any) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await fn()
+            except Exception:
+                log.exception("%s failed", getattr(fn, "__name__", fn))
+
+    # -- heartbeat and reconciliation --------------------------------------------------------
+
+    def _add(self, info: SandboxInfo) -> None:
+        if info.id not in self.sandboxes:
+            self._counts[info.backend] += 1
+        self.sandboxes[info.id] = info
+
+    def _remove(self, sandbox_id: str) -> None:
+        info = self.sandboxes.pop(sandbox_id, None)
+        if info is not None:
+            self._counts[info.backend] -= 1
+
+    def node_info(self) -> NodeInfo:
+        cpus = os.cpu_count() or 1
+        return NodeInfo(
+            node=self.node,
+            edge_id=self.edge_id,
+            pool=self.settings.pool,
+            backends=self._backend_infos,
+            cpus=cpus,
+            memory_mb=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20,
+            load=NodeLoad(
+                sandboxes=len(self.sandboxes),
+                by_backend=dict(self._counts),
+                running_execs=self.running_execs,
+                cpu_load=os.getloadavg()[0] / cpus,
+                mem_available_mb=_mem_available_mb(),
+            ),
+            started_at=self.started_at,
+            heartbeat_at=time.time(),
+            heartbeat_s=self.settings.heartbeat_s,
+            version=__version__,
+        )
+
+    async def _heartbeat(self) -> None:
+        assert self.state is not None
+        await self.state.put_node(self.node_info())
+
+    async def reconcile(self) -> None:
+        """Make the node and the cluster state agree (see the module docstring)."""
+        assert self.state is not None
+        records = await self.state.scan_sandboxes(self.node)
+        present: dict[str, str] = {}
+        for name, backend in self.backends.items():
+            for sid in await backend.list_sandboxes():
+                present[sid] = name
+        grace = time.time() - 30.0  # a create whose record is still being written
+        for sid, name in present.items():
+            rec = records.get(sid)
+            if rec is not None and rec[0].state == "ready":
+                if sid not in self.sandboxes:
+                    self._add(rec[0])
+                continue
+            local = self.sandboxes.get(sid)
+            if rec is None and local is not None and local.created_at > grace:
+                continue
+            info = rec[0] if rec else local
+            log.warning("reconcile: destroying %s (%s)", sid, "lost" if rec else "unknown")
+            await self._destroy_one(sid, name, info, "reconcile")
+        for sid, (info, rev) in records.items():
+            if sid not in present and info.state == "ready":
+                self._remove(sid)
+                with suppress(errors.Conflict):
+                    await self.state.cas_sandbox(info.model_copy(update={"state": "lost"}), rev)
+                log.warning("reconcile: %s is gone from this node; reported lost", sid)
+
+    # -- handlers ----------------------------------------------------------------------------
+
+    def _backend(self, name: str) -> Backend:
+        try:
+            return self.backends[name]
+        except KeyError:
+            raise errors.UnknownBackend(f"node {self.node} does not run backend {name!r}") from None
+
+    def _sandbox(self, sandbox_id: str) -> tuple[SandboxInfo, Backend]:
+        info = self.sandboxes.get(sandbox_id)
+        if info is None:
+            raise errors.NotFound(f"sandbox {sandbox_id} is not on node {self.node}")
+        return info, self.backends[info.backend]
+
+    async def _create(self, req: bus.Request) -> EdgeCreateResponse:
+        r = EdgeCreateRequest.model_validate_json(req.data)
+        results = await asyncio.gather(*(self._create_one(sb) for sb in r.sandboxes))
+        out = EdgeCreateResponse()
+        for sb, res in zip(r.sandboxes, results, strict=True):
+            if isinstance(res, SandboxInfo):
+                out.created.append(res)
+            else:
+                out.failed.append(Failure(id=sb.id, error=res.to_wire()))
+        return out
+
+    async def _create_one(self, sb: EdgeSandbox) -> SandboxInfo | errors.DsecError:
+        if sb.id in self.sandboxes:
+            return self.sandboxes[sb.id]
+        try:
+            backend = self._backend(sb.spec.backend)
+            async with self._create_slots[sb.spec.backend]:
+                await backend.create(sb)
+        except errors.DsecError as exc:
+            return exc
+        except Exception as exc:
+            log.exception("creating %s failed", sb.id)
+            return errors.Internal(f"creating {sb.id} on {self.node} failed: {exc}")
+        info = SandboxInfo(
+            id=sb.id,
+            tenant=sb.tenant,
+            backend=sb.spec.backend,
+            node=self.node,
+            created_at=sb.created_at,
+            expires_at=sb.expires_at,
+            labels=sb.spec.labels,
+        )
+        self._add(info)
+        await self.hooks.sandbox_created(info)
+        return info
+
+    async def _destroy(self, req: bus.Request) -> DestroyResponse:
+        r = DestroyRequest.model_validate_json(req.data)
+        out = DestroyResponse()
+        found = [(i, self.sandboxes.get(i)) for i in r.ids]
+        await asyncio.gather(
+            *(self._destroy_one(i, info.backend, info, "requested") for i, info in found if info)
+        )
+        for i, info in found:
+            (out.destroyed if info else out.not_found).append(i)
+        return out
+
+    async def _destroy_one(
+        self, sandbox_id: str, backend: str, info: SandboxInfo | None, reason: str
+    ) -> None:
+        await self.backends[backend].destroy(SandboxRef(sandbox_id=sandbox_id))
+        self._remove(sandbox_id)
+        if info is not None:
+            await self.hooks.sandbox_destroyed(info, reason)
+
+    async def _exec(self, req: bus.Request) -> ExecResponse:
+        r = ExecRequest.model_validate_json(req.data)
+        results = await asyncio.gather(*(self._exec_one(r, sid) for sid in r.sandbox_ids))
+        return ExecResponse(results=list(results))
+
+    async def _exec_one(self, r: ExecRequest, sandbox_id: str) -> ExecResult:
+        try:
+            info, backend = self._sandbox(sandbox_id)
+            reason = await self.hooks.guard_exec(info, r)
+            if reason:
+                raise errors.Forbidden(f"refused by a guard: {reason}")
+            call = ExecCall(
+                sandbox_id=sandbox_id,
+                argv=shell_argv(r.command),
+                timeout_s=r.timeout_s,
+                env=r.env,
+                cwd=r.cwd,
+                user=r.user,
+                stdin=r.stdin,
+                max_output_bytes=r.max_output_bytes,
+            )
+            self.running_execs += 1
+            try:
+                result = await backend.exec(call)
+            finally:
+                self.running_execs -= 1
+        except errors.DsecError as exc:
+            return ExecResult(sandbox_id=sandbox_id, exit_code=-1, error=exc.to_wire())
+        await self._report(sandbox_id, result)
+        return result
+
+    async def _report(self, sandbox_id: str, result: ExecResult) -> None:
+        if result.timed_out:
+            await self.hooks.guard_event(sandbox_id, "timeout", {"duration_s": result.duration_s})
+        if result.truncated:
+            await self.hooks.guard_event(sandbox_id, "output_flood", {})
+
+    async def _fncall(self, req: bus.Request) -> ExecResult:
+        r = FncallRequest.model_validate_json(req.data)
+        if r.sandbox_id:
+            _, backend = self._sandbox(r.sandbox_id)
+        else:
+            backend = next(
+                (
+                    b
+                    for b in self.backends.values()
+                    if r.language in b.capabilities.fncall_languages
+                ),
+                None,
+            )
+            if backend is None:
+                raise errors.Unsupported(f"no backend on {self.node} serves {r.language!r} calls")
+        self.running_execs += 1
+        try:
+            result = await backend.fncall(r)
+        finally:
+            self.running_execs -= 1
+        await self._report(r.sandbox_id or "", result)
+        return result
+
+    async def _read_file(self, req: bus.Request):
+        r = ReadFileRequest.model_validate_json(req.data)
+        return await self._sandbox(r.sandbox_id)[1].read_file(r)
+
+    async def _write_file(self, req: bus.Request):
+        r = WriteFileRequest.model_validate_json(req.data)
+        return await self._sandbox(r.sandbox_id)[1].write_file(r)
+
+    async def _status(self, req: bus.Request) -> SandboxInfo:
+        r = StatusRequest.model_validate_json(req.data)
+        info, backend = self._sandbox(r.id)
+        await backend.status(SandboxRef(sandbox_id=r.id))
+        return info
+
+
+def _plugin_version(backend: Backend) -> str:
+    from importlib import metadata
+
+    module = type(backend).__module__.split(".")[0]
+    try:
+        return metadata.version(metadata.packages_distributions().get(module, [module])[0])
+    except (metadata.PackageNotFoundError, IndexError):
+        return ""

@@ -1,0 +1,345 @@
+"""The asynchronous SDK: :class:`AsyncClient` and :class:`Sandbox`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+from nats.aio.client import Client as NATS
+from pydantic import BaseModel
+
+from dsec_kernel import bus, errors
+from dsec_kernel.connection import resolve
+from dsec_kernel.wire import (
+    DEFAULT_MAX_OUTPUT,
+    MAX_BATCH,
+    CreateRequest,
+    CreateResponse,
+    DestroyRequest,
+    DestroyResponse,
+    ExecRequest,
+    ExecResponse,
+    ExecResult,
+    FncallRequest,
+    Limits,
+    ListRequest,
+    ListResponse,
+    Message,
+    NodeInfo,
+    NodesRequest,
+    NodesResponse,
+    ReadFileRequest,
+    ReadFileResponse,
+    SandboxInfo,
+    SandboxSpec,
+    StatusRequest,
+    WriteFileRequest,
+    WriteFileResponse,
+)
+
+__all__ = ["AsyncClient", "Sandbox"]
+
+M = TypeVar("M", bound=BaseModel)
+#: seconds the client waits beyond a command's own timeout
+_MARGIN_S = 30.0
+Progress = Callable[[int, int], object]
+
+
+def _raise_for(result: ExecResult) -> ExecResult:
+    if result.error is not None:
+        raise errors.error_class(result.error.code)(
+            result.error.message, retryable=result.error.retryable
+        )
+    return result
+
+
+class Sandbox:
+    """A handle on one sandbox. ``async with`` destroys it on exit."""
+
+    def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
+        self._client = client
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def backend(self) -> str:
+        return self.info.backend
+
+    @property
+    def node(self) -> str:
+        return self.info.node
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} {self.backend}@{self.node} {self.info.state}>"
+
+    async def exec(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float = 60.0,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | str = b"",
+        user: str | None = None,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT,
+    ) -> ExecResult:
+        """Run ``command`` (argv list, or a string for ``/bin/sh -c``) and wait for it.
+
+        A command still running at ``timeout`` seconds is killed with everything it started
+        and comes back with ``timed_out=True``; output past ``max_output_bytes`` per stream
+        is dropped and ``truncated=True``. Raises a DsecError if it could not run at all.
+        """
+        (result,) = await self._client.exec_many(
+            [self],
+            command,
+            timeout=timeout,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            user=user,
+            max_output_bytes=max_output_bytes,
+        )
+        return result
+
+    async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> int:
+        """Create or replace the file at ``path``; returns its size."""
+        payload = data.encode() if isinstance(data, str) else data
+        req = WriteFileRequest(sandbox_id=self.id, path=path, data=payload, mode=mode)
+        resp = await self._client._call("file.write", req, WriteFileResponse)
+        return resp.size
+
+    async def read_file(self, path: str) -> bytes:
+        """The content of the file at ``path`` (NotFound if there is none)."""
+        req = ReadFileRequest(sandbox_id=self.id, path=path)
+        return (await self._client._call("file.read", req, ReadFileResponse)).data
+
+    async def status(self) -> SandboxInfo:
+        """The sandbox's current record (``state`` is ``ready`` or ``lost``)."""
+        self.info = await self._client._call("status", StatusRequest(id=self.id), SandboxInfo)
+        return self.info
+
+    async def destroy(self) -> None:
+        """Destroy the sandbox. Idempotent."""
+        await self._client.destroy([self])
+
+    async def __aenter__(self) -> Sandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.destroy()
+
+
+class AsyncClient:
+    """The DSec client. Connects to the address and credential that :func:`resolve` finds.
+
+    ``async with AsyncClient() as c:`` connects and closes. Every method raises a
+    :class:`~dsec_kernel.errors.DsecError` subclass on failure.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float = 60.0,
+        name: str = "dsec-sdk",
+    ) -> None:
+        self._url, self._token = url, token
+        self.timeout = timeout
+        self._name = name
+        self._nc: NATS | None = None
+        self._headers: dict[str, str] = {}
+
+    async def connect(self) -> AsyncClient:
+        conn = resolve(self._url, self._token)
+        self._headers = {bus.TOKEN_HEADER: conn.token}
+        self._nc = await bus.connect(conn.url, name=self._name)
+        return self
+
+    async def close(self) -> None:
+        if self._nc is not None:
+            await self._nc.drain()
+            self._nc = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(
+        self, op: str, msg: Message, reply: type[M], timeout: float | None = None
+    ) -> M:
+        if self._nc is None:
+            raise errors.Unavailable("the client is not connected; use `async with` or connect()")
+        return await bus.request(
+            self._nc,
+            bus.api_subject(op),
+            msg,
+            reply,
+            timeout=timeout or self.timeout,
+            headers=self._headers,
+        )
+
+    # -- sandboxes ---------------------------------------------------------------------------
+
+    async def create(
+        self,
+        count: int = 1,
+        *,
+        backend: str = "fncall",
+        ttl: float | None = None,
+        limits: Limits | None = None,
+        labels: dict[str, str] | None = None,
+        progress: Progress | None = None,
+        batch_size: int = 500,
+        concurrency: int = 4,
+    ) -> list[Sandbox]:
+        """Create ``count`` sandboxes alike, in batches of ``batch_size`` (one request each).
+
+        All are created or none: if a batch fails the others are destroyed and its error is
+        raised. ``ttl``: seconds until the platform destroys them. ``progress(done, total)``
+        is called as batches complete.
+        """
+        if count < 1:
+            raise errors.InvalidArgument(f"count must be at least 1, not {count}")
+        spec = SandboxSpec(backend=backend, ttl_s=ttl, limits=limits or Limits(), labels=labels or {})
+        size = max(1, min(batch_size, MAX_BATCH))
+        batches = [min(size, count - i) for i in range(0, count, size)]
+        slots = asyncio.Semaphore(concurrency)
+        done = 0
+
+        async def one(n: int) -> list[Sandbox]:
+            nonlocal done
+            async with slots:
+                resp = await self._call(
+                    "create", CreateRequest(spec=spec, count=n), CreateResponse, self.timeout * 2
+                )
+            done += n
+            if progress is not None:
+                progress(done, count)
+            return [Sandbox(self, info) for info in resp.sandboxes]
+
+        results = await asyncio.gather(*(one(n) for n in batches), return_exceptions=True)
+        made = [sb for r in results if isinstance(r, list) for sb in r]
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            if made:
+                await self.destroy(made)
+            raise failure
+        return made
+
+    async def get(self, sandbox_id: str) -> Sandbox:
+        """A handle on an existing sandbox of yours (NotFound otherwise)."""
+        info = await self._call("status", StatusRequest(id=sandbox_id), SandboxInfo)
+        return Sandbox(self, info)
+
+    async def list(self, labels: dict[str, str] | None = None) -> list[Sandbox]:
+        """Your sandboxes (those carrying all of ``labels``, when given)."""
+        resp = await self._call("list", ListRequest(labels=labels or {}), ListResponse)
+        return [Sandbox(self, info) for info in resp.sandboxes]
+
+    async def destroy(self, sandboxes: Sandbox | str | Iterable[Sandbox | str]) -> list[str]:
+        """Destroy sandboxes (handles or ids). Idempotent; returns the ids destroyed."""
+        items = [sandboxes] if isinstance(sandboxes, Sandbox | str) else list(sandboxes)
+        ids = [s.id if isinstance(s, Sandbox) else s for s in items]
+        destroyed: list[str] = []
+        for i in range(0, len(ids), MAX_BATCH):
+            resp = await self._call(
+                "destroy", DestroyRequest(ids=ids[i : i + MAX_BATCH]), DestroyResponse
+            )
+            destroyed += resp.destroyed
+        return destroyed
+
+    async def nodes(self) -> list[NodeInfo]:
+        """Every node the cluster knows, with its backends and last heartbeat."""
+        return (await self._call("nodes", NodesRequest(), NodesResponse)).nodes
+
+    # -- work --------------------------------------------------------------------------------
+
+    async def exec_many(
+        self,
+        sandboxes: Sequence[Sandbox],
+        command: str | Sequence[str],
+        *,
+        timeout: float = 60.0,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | str = b"",
+        user: str | None = None,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT,
+        return_exceptions: bool = False,
+    ) -> list[ExecResult | errors.DsecError]:
+        """Run one command in many sandboxes at once (one request per 1,000 sandboxes).
+
+        Results come in the order of ``sandboxes``. Like :func:`asyncio.gather`: a sandbox the
+        command could not run in raises its error, or with ``return_exceptions`` puts the
+        error in its place in the list.
+        """
+        base = dict(
+            command=command if isinstance(command, str) else list(command),
+            timeout_s=timeout,
+            env=env or {},
+            cwd=cwd,
+            user=user,
+            stdin=stdin.encode() if isinstance(stdin, str) else stdin,
+            max_output_bytes=max_output_bytes,
+        )
+        ids = [sb.id for sb in sandboxes]
+        chunks = [ids[i : i + MAX_BATCH] for i in range(0, len(ids), MAX_BATCH)]
+        resps = await asyncio.gather(
+            *(
+                self._call(
+                    "exec",
+                    ExecRequest(sandbox_ids=chunk, **base),
+                    ExecResponse,
+                    timeout + _MARGIN_S,
+                )
+                for chunk in chunks
+            )
+        )
+        out: list[ExecResult | errors.DsecError] = []
+        for resp in resps:
+            for r in resp.results:
+                if r.error is None:
+                    out.append(r)
+                    continue
+                try:
+                    _raise_for(r)
+                except errors.DsecError as exc:
+                    if not return_exceptions:
+                        raise
+                    out.append(exc)
+        return out
+
+    async def fncall(
+        self,
+        code: str,
+        *,
+        language: str = "python",
+        timeout: float = 30.0,
+        stdin: bytes | str = b"",
+        env: dict[str, str] | None = None,
+        limits: Limits | None = None,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT,
+        sandbox: Sandbox | None = None,
+    ) -> ExecResult:
+        """Run ``code`` once in a fresh, throw-away sandbox (``language``: python, bash...).
+
+        With ``sandbox`` (an fncall sandbox) the call also sees that sandbox's files.
+        """
+        req = FncallRequest(
+            code=code,
+            language=language,
+            timeout_s=timeout,
+            stdin=stdin.encode() if isinstance(stdin, str) else stdin,
+            env=env or {},
+            limits=limits or Limits(),
+            max_output_bytes=max_output_bytes,
+            sandbox_id=sandbox.id if sandbox else None,
+        )
+        return _raise_for(await self._call("fncall", req, ExecResult, timeout + _MARGIN_S))

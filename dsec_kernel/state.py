@@ -1,0 +1,230 @@
+"""Cluster state in JetStream KV: nodes, sandboxes and tenants.
+
+Buckets (history 1, file storage, ``replicas`` copies)::
+
+    dsec-nodes       <node>            NodeInfo   rewritten by the node's edge every heartbeat
+    dsec-sandboxes   <sandbox id>      SandboxInfo
+    dsec-tenants     <sha256(token)>   {"tenant": name, "created_at": t}
+
+State changes that can race (a node going down, a sandbox reported lost) use compare-and-set
+on the entry's revision. :class:`Mirror` keeps an in-memory copy of a bucket from a watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+import secrets
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js import api
+from nats.js.client import JetStreamContext
+from nats.js.kv import KeyValue
+
+from dsec_kernel import errors
+from dsec_kernel.wire import NAME_PATTERN, NodeInfo, SandboxInfo
+
+__all__ = ["BUCKETS", "ClusterState", "Mirror", "token_key"]
+
+log = logging.getLogger(__name__)
+
+NODES, SANDBOXES, TENANTS = "dsec-nodes", "dsec-sandboxes", "dsec-tenants"
+BUCKETS = (NODES, SANDBOXES, TENANTS)
+T = TypeVar("T")
+
+
+def token_key(token: str) -> str:
+    """The KV key under which a tenant credential is stored (never the token itself)."""
+    return hashlib.sha256(token.encode()).hexdigest()[:48]
+
+
+class Mirror(Generic[T]):
+    """An in-memory copy of a KV bucket, kept current by an ordered-consumer watch.
+
+    ``items`` maps key -> (value, revision). ``on_change(key, value | None)`` is called for
+    every update after the initial load. :meth:`start` returns once the bucket's current
+    content has been loaded.
+    """
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        bucket: str,
+        parse: Callable[[bytes], T],
+        on_change: Callable[[str, T | None], None] | None = None,
+    ) -> None:
+        self.js = js
+        self.bucket = bucket
+        self.parse = parse
+        self.on_change = on_change
+        self.items: dict[str, tuple[T, int]] = {}
+        self._prefix = f"$KV.{bucket}."
+        self._loaded = asyncio.Event()
+        self._sub = None
+
+    async def start(self) -> None:
+        async def on_msg(msg) -> None:
+            key = msg.subject[len(self._prefix) :]
+            meta = msg.metadata
+            op = msg.headers.get("KV-Operation") if msg.headers else None
+            if op in ("DEL", "PURGE") or (msg.headers and "Nats-Marker-Reason" in msg.headers):
+                self.items.pop(key, None)
+                value = None
+            else:
+                try:
+                    value = self.parse(msg.data)
+                except Exception as exc:  # a record we cannot read is skipped, not fatal
+                    log.warning("skipping unreadable %s/%s: %s", self.bucket, key, exc)
+                    value = None
+                if value is not None:
+                    self.items[key] = (value, meta.sequence.stream)
+            if self._loaded.is_set():
+                if self.on_change:
+                    self.on_change(key, value)
+            elif meta.num_pending == 0:
+                self._loaded.set()
+
+        self._sub = await self.js.subscribe(
+            f"{self._prefix}>",
+            cb=on_msg,
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+            inactive_threshold=300,
+            pending_msgs_limit=-1,
+            pending_bytes_limit=-1,
+        )
+        info = await self._sub.consumer_info()
+        if info.num_pending == 0 and self._sub.delivered == 0:
+            self._loaded.set()
+        await self._loaded.wait()
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+            self._sub = None
+
+    def get(self, key: str) -> T | None:
+        hit = self.items.get(key)
+        return hit[0] if hit else None
+
+    def revision(self, key: str) -> int | None:
+        hit = self.items.get(key)
+        return hit[1] if hit else None
+
+
+class ClusterState:
+    """Typed access to the three buckets. Open it with :meth:`open`."""
+
+    def __init__(self, js: JetStreamContext, kvs: dict[str, KeyValue]) -> None:
+        self.js = js
+        self.nodes = kvs[NODES]
+        self.sandboxes = kvs[SANDBOXES]
+        self.tenants = kvs[TENANTS]
+
+    @classmethod
+    async def open(cls, nc: NATS, *, replicas: int = 1, create: bool = True) -> ClusterState:
+        """Bind the buckets, creating missing ones when ``create`` (needs JetStream)."""
+        js = nc.jetstream(timeout=10)
+        kvs: dict[str, KeyValue] = {}
+        for bucket in BUCKETS:
+            try:
+                kvs[bucket] = await js.key_value(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                if not create:
+                    raise errors.Unavailable(
+                        f"KV bucket {bucket} does not exist; start an apiserver first"
+                    ) from None
+                try:
+                    kvs[bucket] = await js.create_key_value(
+                        bucket=bucket,
+                        history=1,
+                        replicas=replicas,
+                        storage=api.StorageType.FILE,
+                    )
+                except nats.js.errors.BadRequestError:  # another process created it meanwhile
+                    kvs[bucket] = await js.key_value(bucket)
+            except nats.js.errors.ServiceUnavailableError:
+                raise errors.Unavailable(
+                    "JetStream is not enabled on this NATS server; start nats-server with -js"
+                ) from None
+        return cls(js, kvs)
+
+    # -- tenants -----------------------------------------------------------------------------
+
+    async def create_tenant(self, name: str) -> str:
+        """Create a credential for tenant ``name`` (the tenant exists once it has one)."""
+        if not re.match(NAME_PATTERN, name):
+            raise errors.InvalidArgument(
+                f"tenant name {name!r} must be letters, digits, '-' or '_' (at most 63)"
+            )
+        token = "dsec_" + secrets.token_urlsafe(32)
+        record = json.dumps({"tenant": name, "created_at": time.time()}).encode()
+        await self.tenants.create(token_key(token), record)
+        return token
+
+    # -- nodes -------------------------------------------------------------------------------
+
+    async def put_node(self, info: NodeInfo) -> int:
+        return await self.nodes.put(info.node, info.model_dump_json().encode())
+
+    async def cas_node(self, info: NodeInfo, revision: int) -> int:
+        """Write ``info`` only if the record is still at ``revision`` (else Conflict)."""
+        try:
+            return await self.nodes.update(info.node, info.model_dump_json().encode(), revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise errors.Conflict(f"node {info.node} changed meanwhile") from None
+
+    # -- sandboxes ---------------------------------------------------------------------------
+
+    async def put_sandboxes(self, infos: list[SandboxInfo]) -> dict[str, int]:
+        """Store many records at once (pipelined publishes); returns id -> revision."""
+        futures = [
+            await self.js.publish_async(
+                f"$KV.{SANDBOXES}.{info.id}", info.model_dump_json().encode()
+            )
+            for info in infos
+        ]
+        acks = await asyncio.gather(*futures)
+        return {info.id: ack.seq for info, ack in zip(infos, acks, strict=True)}
+
+    async def get_sandbox(self, sandbox_id: str) -> tuple[SandboxInfo, int] | None:
+        try:
+            entry = await self.sandboxes.get(sandbox_id)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        return SandboxInfo.model_validate_json(entry.value), entry.revision
+
+    async def cas_sandbox(self, info: SandboxInfo, revision: int) -> int:
+        try:
+            return await self.sandboxes.update(info.id, info.model_dump_json().encode(), revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise errors.Conflict(f"sandbox {info.id} changed meanwhile") from None
+
+    async def delete_sandboxes(self, ids: list[str]) -> None:
+        futures = [
+            await self.js.publish_async(
+                f"$KV.{SANDBOXES}.{i}", b"", headers={"KV-Operation": "DEL"}
+            )
+            for i in ids
+        ]
+        await asyncio.gather(*futures)
+
+    async def scan_sandboxes(self, node: str | None = None) -> dict[str, tuple[SandboxInfo, int]]:
+        """Every sandbox record (of ``node`` only, when given), read with a one-off watch."""
+        mirror: Mirror[SandboxInfo] = Mirror(self.js, SANDBOXES, SandboxInfo.model_validate_json)
+        await mirror.start()
+        await mirror.stop()
+        if node is None:
+            return mirror.items
+        return {k: v for k, v in mirror.items.items() if v[0].node == node}

@@ -1,0 +1,144 @@
+"""Versioned wire messages (pydantic v2). See ``docs/architecture.md`` for the subjects.
+
+``MESSAGES`` lists every top-level message; :func:`parse` reads any of them by its ``type``;
+:func:`json_schemas` gives the JSON Schemas that ``dsec schema`` exports and CI checks.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+from pydantic import Field, TypeAdapter
+
+from dsec_kernel.wire.base import NAME_PATTERN, SANDBOX_ID_PATTERN, Error, Message, Name, SandboxId
+from dsec_kernel.wire.exec import (
+    DEFAULT_MAX_OUTPUT,
+    MAX_FILE_BYTES,
+    MAX_OUTPUT,
+    MAX_TIMEOUT_S,
+    ExecRequest,
+    ExecResponse,
+    ExecResult,
+    FncallRequest,
+    ReadFileRequest,
+    ReadFileResponse,
+    WriteFileRequest,
+    WriteFileResponse,
+    shell_argv,
+)
+from dsec_kernel.wire.node import (
+    BackendInfo,
+    Capabilities,
+    NodeInfo,
+    NodeLoad,
+    NodesRequest,
+    NodesResponse,
+)
+from dsec_kernel.wire.sandbox import (
+    MAX_BATCH,
+    MAX_TTL_S,
+    CreateRequest,
+    CreateResponse,
+    DestroyRequest,
+    DestroyResponse,
+    EdgeCreateRequest,
+    EdgeCreateResponse,
+    EdgeSandbox,
+    Failure,
+    Limits,
+    ListRequest,
+    ListResponse,
+    SandboxInfo,
+    SandboxSpec,
+    StatusRequest,
+)
+
+MESSAGES: tuple[type[Message], ...] = (
+    Error,
+    CreateRequest,
+    CreateResponse,
+    StatusRequest,
+    ListRequest,
+    ListResponse,
+    DestroyRequest,
+    DestroyResponse,
+    EdgeCreateRequest,
+    EdgeCreateResponse,
+    ExecRequest,
+    ExecResult,
+    ExecResponse,
+    FncallRequest,
+    WriteFileRequest,
+    WriteFileResponse,
+    ReadFileRequest,
+    ReadFileResponse,
+    NodeInfo,
+    NodesRequest,
+    NodesResponse,
+)
+
+AnyMessage = Annotated[Union[MESSAGES], Field(discriminator="type")]  # type: ignore[valid-type]
+_any = TypeAdapter(AnyMessage)
+
+
+def parse(data: bytes | str) -> Message:
+    """Parse any wire message into its model, chosen by its ``type``."""
+    return _any.validate_json(data)
+
+
+def type_name(model: type[Message]) -> str:
+    return model.model_fields["type"].default
+
+
+def json_schemas() -> dict[str, dict[str, Any]]:
+    """``{type string: JSON Schema}`` for every message."""
+    return {type_name(m): m.model_json_schema() for m in MESSAGES}
+
+
+__all__ = [
+    "DEFAULT_MAX_OUTPUT",
+    "MAX_BATCH",
+    "MAX_FILE_BYTES",
+    "MAX_OUTPUT",
+    "MAX_TIMEOUT_S",
+    "MAX_TTL_S",
+    "MESSAGES",
+    "NAME_PATTERN",
+    "SANDBOX_ID_PATTERN",
+    "AnyMessage",
+    "BackendInfo",
+    "Capabilities",
+    "CreateRequest",
+    "CreateResponse",
+    "DestroyRequest",
+    "DestroyResponse",
+    "EdgeCreateRequest",
+    "EdgeCreateResponse",
+    "EdgeSandbox",
+    "Error",
+    "ExecRequest",
+    "ExecResponse",
+    "ExecResult",
+    "Failure",
+    "FncallRequest",
+    "Limits",
+    "ListRequest",
+    "ListResponse",
+    "Message",
+    "Name",
+    "NodeInfo",
+    "NodeLoad",
+    "NodesRequest",
+    "NodesResponse",
+    "ReadFileRequest",
+    "ReadFileResponse",
+    "SandboxId",
+    "SandboxInfo",
+    "SandboxSpec",
+    "StatusRequest",
+    "WriteFileRequest",
+    "WriteFileResponse",
+    "json_schemas",
+    "parse",
+    "shell_argv",
+]

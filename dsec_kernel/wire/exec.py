@@ -1,0 +1,142 @@
+"""Commands, stateless calls and file operations."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, field_validator
+
+from dsec_kernel.wire.base import SANDBOX_ID_PATTERN, Error, Message, SandboxId
+from dsec_kernel.wire.sandbox import MAX_BATCH, Limits
+
+__all__ = [
+    "DEFAULT_MAX_OUTPUT",
+    "MAX_FILE_BYTES",
+    "MAX_OUTPUT",
+    "MAX_TIMEOUT_S",
+    "ExecRequest",
+    "ExecResponse",
+    "ExecResult",
+    "FncallRequest",
+    "ReadFileRequest",
+    "ReadFileResponse",
+    "WriteFileRequest",
+    "WriteFileResponse",
+    "shell_argv",
+]
+
+MAX_TIMEOUT_S = 24 * 3600.0
+DEFAULT_MAX_OUTPUT = 1 << 20
+#: Largest per-stream output cap a caller may ask for (both streams must fit one NATS message).
+MAX_OUTPUT = 8 << 20
+#: Largest file one read_file / write_file moves.
+MAX_FILE_BYTES = 16 << 20
+
+Timeout = Field(60.0, gt=0, le=MAX_TIMEOUT_S, description="seconds before the command is killed")
+OutputCap = Field(
+    DEFAULT_MAX_OUTPUT,
+    ge=0,
+    le=MAX_OUTPUT,
+    description="bytes kept per stream; the rest is read and discarded and `truncated` is set",
+)
+
+
+def shell_argv(command: str | list[str]) -> list[str]:
+    """The argv a command stands for: a string runs under ``/bin/sh -c``."""
+    return ["/bin/sh", "-c", command] if isinstance(command, str) else command
+
+
+def _check_env(env: dict[str, str]) -> dict[str, str]:
+    for k, v in env.items():
+        if not k or "=" in k or "\0" in k or "\0" in v:
+            raise ValueError(f"bad environment variable {k!r}")
+    return env
+
+
+EnvVars = Annotated[dict[str, str], AfterValidator(_check_env)]
+
+
+class ExecRequest(Message):
+    """Run one command in each of ``sandbox_ids`` (one sandbox, or many at once)."""
+
+    type: Literal["io.dsec.exec.v1.exec_request"] = "io.dsec.exec.v1.exec_request"
+    sandbox_ids: list[SandboxId] = Field(min_length=1, max_length=MAX_BATCH)
+    command: str | list[str] = Field(description="argv, or a string for /bin/sh -c")
+    timeout_s: float = Timeout
+    env: EnvVars = Field(default_factory=dict)
+    cwd: str | None = None
+    user: str | None = Field(None, description="user name or uid to run as, if the backend can")
+    stdin: bytes = b""
+    max_output_bytes: int = OutputCap
+
+    @field_validator("command")
+    @classmethod
+    def _nonempty(cls, command: str | list[str]) -> str | list[str]:
+        if not command or (isinstance(command, list) and not command[0]):
+            raise ValueError("command is empty")
+        if any("\0" in a for a in ([command] if isinstance(command, str) else command)):
+            raise ValueError("command contains a NUL byte")
+        return command
+
+
+class ExecResult(Message):
+    """A finished command. A command killed at its timeout has ``timed_out`` and exit_code -9.
+
+    ``error`` is set (and the rest empty) only inside a batch, for a sandbox the command could
+    not run in; single calls raise instead.
+    """
+
+    type: Literal["io.dsec.exec.v1.exec_result"] = "io.dsec.exec.v1.exec_result"
+    sandbox_id: str = ""
+    stdout: bytes = b""
+    stderr: bytes = b""
+    exit_code: int = 0
+    duration_s: float = 0.0
+    timed_out: bool = False
+    truncated: bool = Field(False, description="output beyond max_output_bytes was discarded")
+    error: Error | None = None
+
+
+class ExecResponse(Message):
+    type: Literal["io.dsec.exec.v1.exec_response"] = "io.dsec.exec.v1.exec_response"
+    results: list[ExecResult]
+
+
+class FncallRequest(Message):
+    """A stateless call: run ``code`` in a fresh, throw-away sandbox and return its result."""
+
+    type: Literal["io.dsec.exec.v1.fncall_request"] = "io.dsec.exec.v1.fncall_request"
+    code: str = Field(min_length=1, max_length=MAX_FILE_BYTES)
+    language: str = Field("python", pattern=r"^[a-z0-9_+-]{1,32}$")
+    timeout_s: float = Timeout
+    env: EnvVars = Field(default_factory=dict)
+    stdin: bytes = b""
+    max_output_bytes: int = OutputCap
+    limits: Limits = Field(default_factory=Limits)
+    sandbox_id: str | None = Field(
+        None, pattern=SANDBOX_ID_PATTERN, description="run with this sandbox's files"
+    )
+
+
+class WriteFileRequest(Message):
+    type: Literal["io.dsec.file.v1.write_request"] = "io.dsec.file.v1.write_request"
+    sandbox_id: SandboxId
+    path: str = Field(min_length=2, max_length=4096, pattern=r"^/")
+    data: bytes = Field(max_length=MAX_FILE_BYTES)
+    mode: int = Field(0o644, ge=0, le=0o7777)
+
+
+class WriteFileResponse(Message):
+    type: Literal["io.dsec.file.v1.write_response"] = "io.dsec.file.v1.write_response"
+    size: int
+
+
+class ReadFileRequest(Message):
+    type: Literal["io.dsec.file.v1.read_request"] = "io.dsec.file.v1.read_request"
+    sandbox_id: SandboxId
+    path: str = Field(min_length=2, max_length=4096, pattern=r"^/")
+
+
+class ReadFileResponse(Message):
+    type: Literal["io.dsec.file.v1.read_response"] = "io.dsec.file.v1.read_response"
+    data: bytes

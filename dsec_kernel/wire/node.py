@@ -1,0 +1,94 @@
+"""Nodes, their backends' declared capabilities, and heartbeats."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec_kernel.wire.base import NAME_PATTERN, Message, Name
+
+__all__ = ["BackendInfo", "Capabilities", "NodeInfo", "NodeLoad", "NodesRequest", "NodesResponse"]
+
+
+class Capabilities(BaseModel):
+    """What a backend declares it can do. The edge publishes it; the apiserver routes by it.
+
+    A method whose capability is False must raise :class:`~dsec_kernel.errors.Unsupported`.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    exec: bool = Field(True, description="runs commands (exec)")
+    files: bool = Field(True, description="read_file / write_file")
+    stateful: bool = Field(
+        True, description="what one exec writes or starts is still there for the next exec"
+    )
+    fncall_languages: list[str] = Field(
+        default_factory=list, description="languages served by stateless fncall"
+    )
+    snapshot: bool = False
+    restore: bool = False
+    fork: bool = False
+    pause: bool = False
+    isolation: list[str] = Field(
+        default_factory=list, description="mechanisms used, e.g. pid, mnt, net, seccomp, rlimits"
+    )
+    max_sandboxes: int = Field(1000, ge=0, description="sandboxes this backend holds on one node")
+
+
+class BackendInfo(BaseModel):
+    """A backend as an edge runs it: name, plugin version and capabilities."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: Name
+    version: str = ""
+    capabilities: Capabilities = Field(default_factory=Capabilities)
+
+
+class NodeLoad(BaseModel):
+    """Load figures an edge measures at each heartbeat."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    sandboxes: int = 0
+    by_backend: dict[str, int] = Field(default_factory=dict)
+    running_execs: int = 0
+    cpu_load: float = Field(0.0, description="1-minute load average divided by CPU count")
+    mem_available_mb: int = 0
+
+
+class NodeInfo(Message):
+    """A node's record in KV (bucket ``dsec-nodes``), rewritten by its edge every heartbeat.
+
+    ``state`` is ``up`` while heartbeats arrive; an apiserver sets ``down`` when they stop
+    for longer than the node timeout, and reports the node's sandboxes lost.
+    """
+
+    type: Literal["io.dsec.node.v1.info"] = "io.dsec.node.v1.info"
+    node: Name
+    edge_id: str = Field(description="random id of the edge process; changes on restart")
+    state: Literal["up", "down"] = "up"
+    pool: str = Field("default", pattern=NAME_PATTERN, description="node pool label")
+    labels: dict[str, str] = Field(default_factory=dict)
+    backends: list[BackendInfo] = Field(default_factory=list)
+    cpus: int = 1
+    memory_mb: int = 0
+    load: NodeLoad = Field(default_factory=NodeLoad)
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+    heartbeat_s: float = Field(1.0, description="interval between heartbeats")
+    version: str = ""
+
+    def backend(self, name: str) -> BackendInfo | None:
+        return next((b for b in self.backends if b.name == name), None)
+
+
+class NodesRequest(Message):
+    type: Literal["io.dsec.node.v1.nodes_request"] = "io.dsec.node.v1.nodes_request"
+
+
+class NodesResponse(Message):
+    type: Literal["io.dsec.node.v1.nodes_response"] = "io.dsec.node.v1.nodes_response"
+    nodes: list[NodeInfo] = Field(default_factory=list)

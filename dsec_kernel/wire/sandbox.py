@@ -1,0 +1,150 @@
+"""Sandbox lifecycle messages: create (in batches), status, list, destroy."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec_kernel.wire.base import Error, Message, Name, SandboxId
+
+__all__ = [
+    "MAX_BATCH",
+    "MAX_TTL_S",
+    "CreateRequest",
+    "CreateResponse",
+    "DestroyRequest",
+    "DestroyResponse",
+    "EdgeCreateRequest",
+    "EdgeCreateResponse",
+    "EdgeSandbox",
+    "Failure",
+    "Limits",
+    "ListRequest",
+    "ListResponse",
+    "SandboxInfo",
+    "SandboxSpec",
+    "StatusRequest",
+]
+
+#: Most sandboxes one create request may ask for; the SDK splits bigger counts into batches.
+MAX_BATCH = 1000
+#: Longest lifetime a sandbox may ask for (7 days).
+MAX_TTL_S = 7 * 24 * 3600.0
+
+class Limits(BaseModel):
+    """Resource limits for a sandbox (``None``: the backend's default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cpus: float | None = Field(None, gt=0, le=1024, description="CPU quota in cores")
+    memory_mb: int | None = Field(None, ge=16, le=1 << 20, description="memory limit")
+    pids: int | None = Field(None, ge=1, le=1 << 16, description="most processes at once")
+    file_size_mb: int | None = Field(None, ge=1, le=1 << 20, description="largest file written")
+
+
+class SandboxSpec(BaseModel):
+    """What to create. Backends read only the fields they understand."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Name
+    ttl_s: float | None = Field(
+        None, gt=0, le=MAX_TTL_S, description="destroyed this long after creation"
+    )
+    limits: Limits = Field(default_factory=Limits)
+    labels: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+
+class SandboxInfo(BaseModel):
+    """A sandbox's record (KV bucket ``dsec-sandboxes``, key = id).
+
+    ``state`` is ``ready`` or ``lost`` (its node went down; files and processes are gone).
+    Later versions may add states; treat unknown ones as not usable.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: SandboxId
+    tenant: Name
+    backend: str
+    node: str
+    state: str = "ready"
+    created_at: float
+    expires_at: float | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class Failure(BaseModel):
+    """One item of a batch that failed, with the error that would have been raised."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    error: Error
+
+
+class CreateRequest(Message):
+    """Create ``count`` sandboxes alike. All are created, or none is left behind."""
+
+    type: Literal["io.dsec.sandbox.v1.create_request"] = "io.dsec.sandbox.v1.create_request"
+    spec: SandboxSpec
+    count: int = Field(1, ge=1, le=MAX_BATCH)
+
+
+class CreateResponse(Message):
+    type: Literal["io.dsec.sandbox.v1.create_response"] = "io.dsec.sandbox.v1.create_response"
+    sandboxes: list[SandboxInfo]
+
+
+class StatusRequest(Message):
+    type: Literal["io.dsec.sandbox.v1.status_request"] = "io.dsec.sandbox.v1.status_request"
+    id: SandboxId
+
+
+class ListRequest(Message):
+    type: Literal["io.dsec.sandbox.v1.list_request"] = "io.dsec.sandbox.v1.list_request"
+    labels: dict[str, str] = Field(default_factory=dict, description="only sandboxes with these")
+
+
+class ListResponse(Message):
+    type: Literal["io.dsec.sandbox.v1.list_response"] = "io.dsec.sandbox.v1.list_response"
+    sandboxes: list[SandboxInfo]
+
+
+class DestroyRequest(Message):
+    """Destroy sandboxes. Idempotent: ids already gone are reported, not an error."""
+
+    type: Literal["io.dsec.sandbox.v1.destroy_request"] = "io.dsec.sandbox.v1.destroy_request"
+    ids: list[SandboxId] = Field(max_length=MAX_BATCH)
+
+
+class DestroyResponse(Message):
+    type: Literal["io.dsec.sandbox.v1.destroy_response"] = "io.dsec.sandbox.v1.destroy_response"
+    destroyed: list[str] = Field(default_factory=list)
+    not_found: list[str] = Field(default_factory=list)
+
+
+class EdgeSandbox(BaseModel):
+    """One sandbox an apiserver asks an edge to create (ids are chosen by the apiserver)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: SandboxId
+    tenant: Name
+    spec: SandboxSpec
+    created_at: float
+    expires_at: float | None = None
+
+
+class EdgeCreateRequest(Message):
+    """apiserver → edge: create these sandboxes on this node, in one batch."""
+
+    type: Literal["io.dsec.edge.v1.create_request"] = "io.dsec.edge.v1.create_request"
+    sandboxes: list[EdgeSandbox] = Field(max_length=MAX_BATCH)
+
+
+class EdgeCreateResponse(Message):
+    type: Literal["io.dsec.edge.v1.create_response"] = "io.dsec.edge.v1.create_response"
+    created: list[SandboxInfo] = Field(default_factory=list)
+    failed: list[Failure] = Field(default_factory=list)

@@ -1,0 +1,297 @@
+"""The fncall backend (edge side): starts the supervisor and speaks the agent protocol to it.
+
+A fncall *sandbox* is a directory of files (its ``/tmp``) and its limits; it holds no process
+between calls. Every command runs in a fresh worker that sees those files copy-on-write, so
+what one call writes or starts is gone before the next (``stateful: false``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+import dsec_backend_fncall
+import dsec_kernel
+from dsec_kernel import errors
+from dsec_kernel.agent import AgentClient
+from dsec_kernel.agent import agent_pb2 as pb
+from dsec_kernel.backend import (
+    Backend,
+    BackendContext,
+    Capabilities,
+    ExecCall,
+    SandboxRef,
+    SandboxStatus,
+)
+from dsec_kernel.procs import die_with_parent
+from dsec_kernel.wire import (
+    MAX_FILE_BYTES,
+    SANDBOX_ID_PATTERN,
+    EdgeSandbox,
+    ExecResult,
+    FncallRequest,
+    Limits,
+    ReadFileRequest,
+    ReadFileResponse,
+    WriteFileRequest,
+    WriteFileResponse,
+)
+from dsec_backend_fncall.seccomp import compile_profile
+from dsec_backend_fncall.supervisor import SupervisorConfig
+
+__all__ = ["FncallBackend", "FncallConfig"]
+
+log = logging.getLogger(__name__)
+_ID = re.compile(SANDBOX_ID_PATTERN)
+
+
+class FncallConfig(BaseModel):
+    """``DSEC_BACKEND_CONFIG__FNCALL__<FIELD>``; see the plugin's README."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pool_size: int = Field(8, ge=1, le=1024, description="workers kept ready")
+    max_running: int = Field(64, ge=1, le=4096, description="calls running at once")
+    max_sandboxes: int = Field(100_000, ge=1, description="sandboxes one node holds")
+    tmp_size_mb: int = Field(64, ge=1, description="each call's /tmp")
+    memory_mb: int = Field(512, ge=32, description="default address-space limit per call")
+    processes: int = Field(64, ge=1, description="default process limit per call")
+    file_size_mb: int = Field(64, ge=1, description="default largest file a call writes")
+    uid_base: int = Field(200_000, ge=1000, description="first uid calls run as")
+    uid_count: int = Field(4096, ge=16, description="uids reserved for calls")
+    mask_paths: list[str] = Field(
+        default_factory=lambda: ["/root", "/home", "/run", "/var/tmp", "/srv", "/mnt", "/media"],
+        description="directories calls see empty",
+    )
+    startup_timeout_s: float = Field(30.0, gt=0)
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    m = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return bool(m) and (int(m[1]), int(m[2])) >= (major, minor)
+
+
+class FncallBackend(Backend):
+    name = "fncall"
+    capabilities = Capabilities(
+        exec=True,
+        files=True,
+        stateful=False,
+        fncall_languages=["python", "bash"],
+        isolation=["pid", "mnt", "net", "ipc", "uts", "uid", "rlimits", "seccomp"],
+        max_sandboxes=100_000,
+    )
+    Config = FncallConfig
+
+    def __init__(self, config: FncallConfig | None = None) -> None:
+        super().__init__(config)
+        self.capabilities = self.capabilities.model_copy(
+            update={"max_sandboxes": self.config.max_sandboxes}
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.agent: AgentClient | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._limits: dict[str, Limits] = {}
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if os.geteuid() != 0:
+            return "needs root (it creates namespaces and mounts); run the edge as root"
+        if not _kernel_at_least(5, 12):
+            return f"needs Linux 5.12+ (mount_setattr); this is {os.uname().release}"
+        try:
+            import pyseccomp  # noqa: F401
+        except (ImportError, OSError) as exc:
+            return f"libseccomp is not usable: {exc}"
+        return None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, ctx: BackendContext) -> None:
+        self.state_dir = ctx.state_dir
+        self.root = ctx.state_dir / "sandboxes"
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        self.socket = ctx.state_dir / "agent.sock"
+        code_dirs = sorted(
+            {str(Path(m.__file__).resolve().parent.parent) for m in (dsec_kernel, dsec_backend_fncall)}
+        )
+        prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
+        c = self.config
+        self.supervisor_config = SupervisorConfig(
+            socket=str(self.socket),
+            files_root=str(self.root),
+            pool_size=c.pool_size,
+            max_running=c.max_running,
+            tmp_size_mb=c.tmp_size_mb,
+            memory_mb=c.memory_mb,
+            processes=c.processes,
+            file_size_mb=c.file_size_mb,
+            uid_base=c.uid_base,
+            uid_count=c.uid_count,
+            masks=[*c.mask_paths, str(ctx.state_dir.parent.parent)],
+            keep=sorted(prefixes | set(code_dirs)),
+            bpf_hex=compile_profile(ctx.hooks.guard_syscalls(self.name)).hex(),
+            sys_path=code_dirs,
+        )
+        for meta in self.root.glob("*/limits.json"):
+            self._limits[meta.parent.name] = Limits.model_validate_json(meta.read_text())
+        await self._start_supervisor()
+        self._watchdog = asyncio.create_task(self._watch())
+
+    async def _start_supervisor(self) -> None:
+        log_path = self.state_dir / "supervisor.log"
+        with open(log_path, "ab") as logf:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dsec_backend_fncall.supervisor",
+                 self.supervisor_config.model_dump_json()],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=lambda: die_with_parent(signal.SIGTERM),
+            )
+        if self.agent is None:
+            self.agent = AgentClient(f"unix://{self.socket}")
+        try:
+            await self.agent.wait_ready(self.config.startup_timeout_s)
+        except errors.Unavailable:
+            tail = log_path.read_text(errors="replace").splitlines()[-10:]
+            raise errors.Unavailable(
+                "the fncall supervisor did not start:\n  " + "\n  ".join(tail)
+            ) from None
+
+    async def _watch(self) -> None:
+        """Restart the supervisor if it dies (calls in flight fail; sandboxes' files stay)."""
+        while True:
+            await asyncio.sleep(1.0)
+            if self.proc is not None and self.proc.poll() is not None:
+                log.error("fncall supervisor exited with %s; restarting", self.proc.returncode)
+                try:
+                    await self._start_supervisor()
+                except errors.Unavailable:
+                    log.exception("restarting the fncall supervisor failed")
+
+    async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                await asyncio.to_thread(self.proc.wait, 10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                await asyncio.to_thread(self.proc.wait)
+        if self.agent is not None:
+            await self.agent.close()
+            self.agent = None
+
+    # -- sandboxes ---------------------------------------------------------------------------
+
+    def _dir(self, sandbox_id: str) -> Path:
+        d = self.root / sandbox_id
+        if not d.is_dir():
+            raise errors.NotFound(f"no fncall sandbox {sandbox_id} on this node")
+        return d
+
+    async def create(self, sandbox: EdgeSandbox) -> SandboxStatus:
+        d = self.root / sandbox.id
+        try:
+            (d / "files").mkdir(parents=True)
+            os.chmod(d / "files", 0o1777)
+            (d / "limits.json").write_text(sandbox.spec.limits.model_dump_json())
+        except FileExistsError:
+            raise errors.Conflict(f"sandbox {sandbox.id} already exists") from None
+        except OSError as exc:
+            shutil.rmtree(d, ignore_errors=True)
+            raise errors.Unavailable(f"cannot create sandbox {sandbox.id}: {exc}") from None
+        self._limits[sandbox.id] = sandbox.spec.limits
+        return SandboxStatus(sandbox_id=sandbox.id, state="ready")
+
+    async def destroy(self, ref: SandboxRef) -> None:
+        d = self.root / ref.sandbox_id
+        if self.agent is not None:
+            try:
+                await self.agent.signal(ref.sandbox_id, "", signal.SIGKILL)
+            except errors.DsecError as exc:
+                log.warning("could not stop %s's calls: %s", ref.sandbox_id, exc)
+        self._limits.pop(ref.sandbox_id, None)
+        if d.exists():
+            await asyncio.to_thread(shutil.rmtree, d, True)
+
+    async def status(self, ref: SandboxRef) -> SandboxStatus:
+        self._dir(ref.sandbox_id)
+        return SandboxStatus(sandbox_id=ref.sandbox_id, state="ready")
+
+    async def list_sandboxes(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if _ID.match(p.name))
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def _pb_limits(self, limits: Limits) -> pb.Limits:
+        return pb.Limits(
+            memory_bytes=(limits.memory_mb or 0) << 20,
+            processes=limits.pids or 0,
+            file_size_bytes=(limits.file_size_mb or 0) << 20,
+        )
+
+    async def exec(self, call: ExecCall) -> ExecResult:
+        self._dir(call.sandbox_id)
+        assert self.agent is not None
+        limits = self._limits.get(call.sandbox_id, Limits()).model_copy(
+            update=call.limits.model_dump(exclude_none=True)
+        )
+        return await self.agent.exec(
+            pb.ExecRequest(
+                sandbox=call.sandbox_id,
+                exec_id=call.exec_id,
+                argv=call.argv,
+                env=call.env,
+                cwd=call.cwd or "",
+                stdin=call.stdin,
+                timeout_s=call.timeout_s,
+                max_output_bytes=call.max_output_bytes,
+                limits=self._pb_limits(limits),
+                user=call.user or "",
+            )
+        )
+
+    async def fncall(self, request: FncallRequest) -> ExecResult:
+        assert self.agent is not None
+        limits = request.limits
+        if request.sandbox_id:
+            self._dir(request.sandbox_id)
+            limits = self._limits.get(request.sandbox_id, Limits()).model_copy(
+                update=limits.model_dump(exclude_none=True)
+            )
+        return await self.agent.exec(
+            pb.ExecRequest(
+                sandbox=request.sandbox_id or "",
+                language=request.language,
+                code=request.code,
+                env=request.env,
+                stdin=request.stdin,
+                timeout_s=request.timeout_s,
+                max_output_bytes=request.max_output_bytes,
+                limits=self._pb_limits(limits),
+            )
+        )
+
+    async def read_file(self, request: ReadFileRequest) -> ReadFileResponse:
+        assert self.agent is not None
+        data = await self.agent.read_file(request.sandbox_id, request.path, MAX_FILE_BYTES)
+        return ReadFileResponse(data=data)
+
+    async def write_file(self, request: WriteFileRequest) -> WriteFileResponse:
+        assert self.agent is not None
+        size = await self.agent.write_file(request.sandbox_id, request.path, request.data, request.mode)
+        return WriteFileResponse(size=size)
+

@@ -1,0 +1,538 @@
+"""The fncall supervisor: serves the kernel's agent protocol for the warm pool.
+
+``python -m dsec_backend_fncall.supervisor CONFIG_JSON`` (started by the edge's fncall backend).
+It starts the zygote (:mod:`dsec_backend_fncall.zygote`), keeps ``pool_size`` workers ready,
+and serves ``Agent`` on a unix socket: each Exec takes one fresh worker, streams its output
+and reports its exit; the worker is never reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import re
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec_kernel.agent import agent_pb2 as pb
+from dsec_kernel.agent.agent_pb2_grpc import AgentServicer, add_AgentServicer_to_server
+from dsec_kernel.procs import die_with_parent
+from dsec_kernel.wire import SANDBOX_ID_PATTERN
+from dsec_backend_fncall.zygote import BOOT
+
+__all__ = ["Pool", "SupervisorConfig", "main"]
+
+log = logging.getLogger("dsec.fncall.supervisor")
+
+DEFAULT_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/tmp",
+    "TMPDIR": "/tmp",
+    "LANG": "C.UTF-8",
+}
+LANGUAGES = {"python": None, "bash": ["/bin/bash", "-c"]}
+_SANDBOX = re.compile(SANDBOX_ID_PATTERN)
+
+
+class SupervisorConfig(BaseModel):
+    """Everything the supervisor and its zygote need (the backend fills it in)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    socket: str
+    files_root: str
+    pool_size: int = Field(8, ge=1)
+    max_running: int = Field(64, ge=1)
+    tmp_size_mb: int = Field(64, ge=1)
+    memory_mb: int = Field(512, ge=32)
+    processes: int = Field(64, ge=1)
+    file_size_mb: int = Field(64, ge=1)
+    open_files: int = Field(1024, ge=16)
+    uid_base: int = Field(200_000, ge=1000)
+    uid_count: int = Field(4096, ge=16)
+    masks: list[str]
+    keep: list[str]
+    bpf_hex: str
+    sys_path: list[str]
+    hostname: str = "sandbox"
+
+
+@dataclass
+class Worker:
+    """A ready worker: PID 1 of its namespaces, waiting for one call."""
+
+    wid: int
+    pid: int
+    uid: int
+    ctrl: socket.socket
+    stdin: int
+    stdout: int
+    stderr: int
+    pidfd: int
+    exited: asyncio.Future[dict] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def kill(self, sig: int = signal.SIGKILL) -> bool:
+        try:
+            signal.pidfd_send_signal(self.pidfd, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def close_stdin(self) -> None:
+        if self.stdin >= 0:
+            os.close(self.stdin)
+            self.stdin = -1
+
+    def close(self) -> None:
+        """Close every descriptor held for this worker (each exactly once)."""
+        self.ctrl.close()
+        self.close_stdin()
+        for fd in (self.stdout, self.stderr, self.pidfd):
+            os.close(fd)
+
+
+class Pool:
+    """The zygote and the workers it made: ``take()`` one, the pool refills itself."""
+
+    def __init__(self, cfg: SupervisorConfig) -> None:
+        self.cfg = cfg
+        self.ready: deque[Worker] = deque()
+        self.waiters: deque[asyncio.Future[Worker]] = deque()
+        self.spawning = 0
+        self.live: dict[int, Worker] = {}
+        self.sock: socket.socket | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.closing = False
+
+    def start(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        zcfg = {
+            **self.cfg.model_dump(include={"tmp_size_mb", "uid_base", "uid_count", "masks",
+                                           "keep", "bpf_hex", "sys_path", "hostname"}),
+            "files_root": self.cfg.files_root,
+            "sock_fd": child.fileno(),
+            "supervisor_pid": os.getpid(),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-S", "-I", "-c", BOOT, json.dumps(zcfg)],
+            pass_fds=[child.fileno()],
+            stdin=subprocess.DEVNULL,
+            preexec_fn=lambda: die_with_parent(signal.SIGKILL),
+        )
+        child.close()
+        parent.setblocking(False)
+        self.sock = parent
+        self.spawning = 0
+        asyncio.get_running_loop().add_reader(parent.fileno(), self._on_message)
+        self._refill()
+
+    def _refill(self) -> None:
+        want = self.cfg.pool_size + len(self.waiters)
+        while self.sock is not None and len(self.ready) + self.spawning < want:
+            self.sock.send(b'{"op": "spawn"}')
+            self.spawning += 1
+
+    async def take(self) -> Worker:
+        if self.ready:
+            w = self.ready.popleft()
+        else:
+            fut: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
+            self.waiters.append(fut)
+            self._refill()
+            try:
+                w = await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():
+                    self.ready.appendleft(fut.result())
+                raise
+        self._refill()
+        return w
+
+    def _on_message(self) -> None:
+        assert self.sock is not None
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 16, 8)
+        except BlockingIOError:
+            return
+        if not data:
+            self._zygote_died()
+            return
+        msg = json.loads(data)
+        op = msg["op"]
+        if op == "ready":
+            self.spawning -= 1
+            ctrl, stdin, stdout, stderr, pidfd = fds
+            for fd in (stdout, stderr):
+                os.set_blocking(fd, False)
+            w = Worker(msg["wid"], msg["pid"], msg["uid"], socket.socket(fileno=ctrl), stdin,
+                       stdout, stderr, pidfd)
+            self.live[w.wid] = w
+            while self.waiters:
+                fut = self.waiters.popleft()
+                if not fut.done():
+                    fut.set_result(w)
+                    return
+            self.ready.append(w)
+        elif op == "exit":
+            w = self.live.pop(msg["wid"], None)
+            if w is not None and not w.exited.done():
+                w.exited.set_result(msg)
+        elif op == "error":
+            self.spawning -= 1
+            log.error("zygote: %s", msg["message"])
+            if self.waiters:
+                self.waiters.popleft().set_exception(RuntimeError(msg["message"]))
+
+    def _zygote_died(self) -> None:
+        """Every worker died with it (PDEATHSIG): fail what waits, start a new zygote."""
+        loop = asyncio.get_running_loop()
+        assert self.sock is not None
+        loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+        self.sock = None
+        for w in self.live.values():
+            if not w.exited.done():
+                w.exited.set_result({"status": signal.SIGKILL, "cpu_s": 0.0, "max_rss": 0})
+        self.live.clear()
+        for w in self.ready:
+            w.close()
+        self.ready.clear()
+        while self.waiters:
+            self.waiters.popleft().set_exception(RuntimeError("the zygote died"))
+        if self.proc is not None:
+            self.proc.wait()
+        if not self.closing:
+            log.error("the zygote exited (%s); starting a new one", self.proc and self.proc.returncode)
+            loop.call_later(0.2, self.start)
+
+    async def close(self) -> None:
+        self.closing = True
+        if self.sock is not None:
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.sock = None
+        for w in self.ready:
+            w.close()
+        if self.proc is not None:
+            self.proc.kill()
+            await asyncio.to_thread(self.proc.wait)
+
+
+@dataclass
+class _Call:
+    sandbox: str
+    exec_id: str
+    worker: Worker
+
+
+class Agent(AgentServicer):
+    """The agent protocol over the pool. A sandbox's files live in ``files_root/<id>/files/``,
+    which calls see as their /tmp."""
+
+    def __init__(self, cfg: SupervisorConfig, pool: Pool) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.slots = asyncio.Semaphore(cfg.max_running)
+        self.running: dict[int, _Call] = {}
+        self.files_root = Path(cfg.files_root)
+
+    # -- exec --------------------------------------------------------------------------------
+
+    def _spec(self, req: pb.ExecRequest) -> dict:
+        if req.language:
+            if req.language not in LANGUAGES:
+                raise ValueError(f"language {req.language!r} is not served; use one of {sorted(LANGUAGES)}")
+            if not req.code:
+                raise ValueError("no code to run")
+            prefix = LANGUAGES[req.language]
+            mode, argv = ("python", []) if prefix is None else ("argv", [*prefix, req.code])
+        else:
+            if not req.argv or not req.argv[0]:
+                raise ValueError("empty command")
+            mode, argv = "argv", list(req.argv)
+        if not req.timeout_s > 0:
+            raise ValueError("timeout_s must be positive")
+        if req.cwd and not req.cwd.startswith("/"):
+            raise ValueError("cwd must be an absolute path")
+        if req.user:
+            raise ValueError("fncall runs every call as its own unprivileged user; `user` is not supported")
+        if req.sandbox and not _SANDBOX.match(req.sandbox):
+            raise ValueError(f"bad sandbox id {req.sandbox!r}")
+        lim = req.limits
+        return {
+            "mode": mode,
+            "code": req.code if mode == "python" else "",
+            "argv": argv,
+            "env": {**DEFAULT_ENV, **dict(req.env)},
+            "cwd": req.cwd or "/tmp",
+            "sandbox": req.sandbox,
+            "limits": {
+                "memory_bytes": lim.memory_bytes or self.cfg.memory_mb << 20,
+                "processes": lim.processes or self.cfg.processes,
+                "file_size_bytes": lim.file_size_bytes or self.cfg.file_size_mb << 20,
+                "open_files": lim.open_files or self.cfg.open_files,
+                "cpu_seconds": math.ceil(req.timeout_s) + 1,
+            },
+        }
+
+    async def Exec(self, request: pb.ExecRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        try:
+            spec = self._spec(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if request.sandbox and not (self.files_root / request.sandbox / "files").is_dir():
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no sandbox {request.sandbox}")
+        async with self.slots:
+            try:
+                worker = await self.pool.take()
+            except RuntimeError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            self.running[worker.wid] = _Call(request.sandbox, request.exec_id, worker)
+            try:
+                async for event in _run(worker, spec, request.stdin, request.timeout_s,
+                                        request.max_output_bytes):
+                    yield event
+            finally:
+                self.running.pop(worker.wid, None)
+
+    async def Signal(self, request: pb.SignalRequest, context) -> pb.SignalResponse:  # noqa: N802
+        delivered = 0
+        for call in list(self.running.values()):
+            if (request.exec_id and call.exec_id == request.exec_id) or (
+                not request.exec_id and call.sandbox == request.sandbox
+            ):
+                delivered += call.worker.kill(request.signal or signal.SIGKILL)
+        return pb.SignalResponse(delivered=delivered)
+
+    async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:  # noqa: N802
+        alive = self.pool.proc is not None and self.pool.proc.poll() is None
+        return pb.HealthResponse(
+            ok=alive, version="1", running=len(self.running), ready=len(self.pool.ready)
+        )
+
+    # -- files -------------------------------------------------------------------------------
+
+    def _host_path(self, sandbox: str, path: str) -> Path:
+        """Where ``path`` (inside the sandbox, under /tmp) lives on the host."""
+        root = self.files_root / sandbox / "files"
+        if not _SANDBOX.match(sandbox) or not root.is_dir():
+            raise FileNotFoundError(f"no sandbox {sandbox!r}")
+        norm = os.path.normpath(path)
+        if not path.startswith("/") or not norm.startswith("/tmp/") or norm != path.rstrip("/"):
+            raise ValueError(
+                f"{path!r}: fncall sandboxes hold files under /tmp only (absolute, normalised paths)"
+            )
+        return root / norm[len("/tmp/") :]
+
+    async def ReadFile(self, request: pb.ReadFileRequest, context) -> pb.ReadFileResponse:  # noqa: N802
+        try:
+            host = self._host_path(request.sandbox, request.path)
+            fd = os.open(host, os.O_RDONLY | os.O_NOFOLLOW)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except FileNotFoundError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{request.path}: no such file")
+        except OSError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.path}: {exc.strerror}")
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.path}: not a regular file")
+            if request.max_bytes and st.st_size > request.max_bytes:
+                await context.abort(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"{request.path} is {st.st_size} bytes, more than the {request.max_bytes} allowed",
+                )
+            return pb.ReadFileResponse(data=f.read())
+
+    async def WriteFile(self, request: pb.WriteFileRequest, context) -> pb.WriteFileResponse:  # noqa: N802
+        try:
+            host = self._host_path(request.sandbox, request.path)
+            root = self.files_root / request.sandbox / "files"
+            for parent in reversed(host.relative_to(root).parents[:-1]):
+                d = root / parent
+                if d.is_symlink() or (d.exists() and not d.is_dir()):
+                    raise ValueError(f"{request.path}: a parent is not a directory")
+                if not d.exists():
+                    d.mkdir()
+                    os.chmod(d, 0o1777)
+            tmp = host.with_name(f".{host.name}.dsec-tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(request.data)
+            os.chmod(tmp, request.mode or 0o644)
+            os.replace(tmp, host)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except FileNotFoundError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except OSError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.path}: {exc.strerror}")
+        return pb.WriteFileResponse(size=len(request.data))
+
+
+async def _run(worker: Worker, spec: dict, stdin: bytes, timeout: float, cap: int):
+    """Give ``worker`` its call and stream ExecEvents until it has exited."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[str, bytes | None]] = asyncio.Queue()
+    kept = {"stdout": 0, "stderr": 0}
+    state = {"truncated": False, "timed_out": False}
+
+    def reader(fd: int, name: str) -> None:
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        if not data:
+            loop.remove_reader(fd)
+            queue.put_nowait((name, None))
+            return
+        room = cap - kept[name]
+        if len(data) > room:
+            state["truncated"] = True
+            data = data[: max(room, 0)]
+        if data:
+            kept[name] += len(data)
+            queue.put_nowait((name, data))
+
+    def on_timeout() -> None:
+        state["timed_out"] = worker.kill()
+
+    for fd, name in ((worker.stdout, "stdout"), (worker.stderr, "stderr")):
+        loop.add_reader(fd, reader, fd, name)
+    writer = asyncio.ensure_future(_feed(worker, stdin))
+    started = time.monotonic()
+    timer = loop.call_later(timeout, on_timeout)
+    try:
+        frame = json.dumps(spec).encode()
+        worker.ctrl.setblocking(False)
+        await loop.sock_sendall(worker.ctrl, len(frame).to_bytes(8, "little") + frame)
+        open_streams = 2
+        while open_streams:
+            name, data = await queue.get()
+            if data is None:
+                open_streams -= 1
+            else:
+                yield pb.ExecEvent(**{name: data})
+        report = asyncio.ensure_future(_read_report(worker.ctrl))
+        await asyncio.wait({report, worker.exited}, return_when=asyncio.FIRST_COMPLETED)
+        info = report.result() if report.done() and report.result() else await worker.exited
+        report.cancel()
+        duration = time.monotonic() - started
+        code = -signal.SIGKILL if state["timed_out"] else os.waitstatus_to_exitcode(info["status"])
+        yield pb.ExecEvent(
+            exit=pb.ExecExit(
+                exit_code=code,
+                timed_out=state["timed_out"],
+                truncated=state["truncated"],
+                duration_s=duration,
+                cpu_s=info["cpu_s"],
+                max_rss_bytes=info["max_rss"],
+            )
+        )
+    finally:
+        timer.cancel()
+        writer.cancel()
+        if not worker.exited.done():
+            worker.kill()
+        for fd in (worker.stdout, worker.stderr):
+            loop.remove_reader(fd)
+        worker.close()
+
+
+async def _read_report(ctrl: socket.socket) -> dict | None:
+    """The worker's final frame: its wait status and resource use (None if it died first)."""
+    loop = asyncio.get_running_loop()
+    buf = bytearray()
+    need = 8
+    while len(buf) < need:
+        chunk = await loop.sock_recv(ctrl, need - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+        if need == 8 and len(buf) == 8:
+            need = 8 + int.from_bytes(buf, "little")
+    try:
+        info = json.loads(buf[8:])
+        return {"status": int(info["status"]), "cpu_s": float(info["cpu_s"]),
+                "max_rss": int(info["max_rss"])}
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+async def _feed(worker: Worker, data: bytes) -> None:
+    """Write ``data`` to the call's stdin, then close it; a call that stops reading is fine."""
+    loop = asyncio.get_running_loop()
+    fd = worker.stdin
+    try:
+        if data:
+            os.set_blocking(fd, False)
+            view = memoryview(data)
+            while view:
+                try:
+                    view = view[os.write(fd, view) :]
+                except BlockingIOError:
+                    ready = loop.create_future()
+                    loop.add_writer(fd, ready.set_result, None)
+                    try:
+                        await ready
+                    finally:
+                        loop.remove_writer(fd)
+    except OSError:  # EPIPE: the call exited or closed its stdin
+        pass
+    finally:
+        worker.close_stdin()
+
+
+async def serve(cfg: SupervisorConfig) -> None:
+    pool = Pool(cfg)
+    pool.start()
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+        ]
+    )
+    add_AgentServicer_to_server(Agent(cfg, pool), server)
+    if os.path.exists(cfg.socket):
+        os.unlink(cfg.socket)
+    server.add_insecure_port(f"unix://{cfg.socket}")
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(grace=2)
+        await pool.close()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = SupervisorConfig.model_validate_json(sys.argv[1])
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,397 @@
+"""The zygote: a minimal interpreter that forks pre-isolated workers, one per call.
+
+Runs as ``python -S -I`` (standard library only, so forks are cheap) in a mount namespace of
+its own that holds the *sandbox view*: the host root read-only and nosuid, with private
+directories (``/root``, ``/home``, ``/run``...) hidden under empty tmpfs, the interpreter's own
+tree bound back, and the sandboxes' directory bound at ``/run/dsec-files`` (mode 0700: a call,
+running as its own unprivileged uid, sees only its own sandbox's files, through ``/tmp``).
+
+Protocol with the supervisor, over a SOCK_SEQPACKET socket (one JSON message each)::
+
+    -> {"op": "spawn"}                          start one worker
+    <- {"op": "ready", "wid", "pid", "uid"}     + fds: ctrl, stdin(w), stdout(r), stderr(r), pidfd
+    <- {"op": "exit", "wid", "status", "cpu_s", "max_rss"}   a worker ended (raw wait status)
+    <- {"op": "error", "message"}               a spawn failed
+
+A worker is PID 1 of new PID, mount, network, IPC and UTS namespaces, with a fresh tmpfs on
+``/tmp`` and ``/dev/shm``, its own ``/proc`` and ``lo`` up. It waits on its ctrl socket for one
+call (see :func:`_run_call`), runs it as an unprivileged uid of its own under rlimits and
+seccomp, and exits. Killing it kills everything the call started (the PID namespace dies).
+"""
+
+from __future__ import annotations
+
+import array
+import builtins
+import errno
+import gc
+import io
+import json
+import os
+import resource
+import selectors
+import signal
+import socket
+import sys
+import traceback
+
+from dsec_kernel import linux
+
+FILES_MOUNT = "/run/dsec-files"
+
+#: run with ``python -S -I -c BOOT CONFIG_JSON``: puts the plugin on sys.path, remembers the
+#: standard library path for calls, and starts :func:`main`.
+BOOT = (
+    "import json, sys; cfg = json.loads(sys.argv[1]); cfg['stdlib_path'] = list(sys.path); "
+    "sys.path[:0] = cfg['sys_path']; from dsec_backend_fncall.zygote import main; main(cfg)"
+)
+_MAX_MSG = 1 << 20
+
+
+def _send(sock: socket.socket, msg: dict, fds: list[int] = ()) -> None:  # type: ignore[assignment]
+    data = json.dumps(msg).encode()
+    if fds:
+        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.send(data)
+
+
+def send_frame(sock: socket.socket, msg: dict) -> None:
+    """Write one length-prefixed JSON frame on a (blocking) stream socket."""
+    data = json.dumps(msg).encode()
+    sock.sendall(len(data).to_bytes(8, "little") + data)
+
+
+def recv_frame(sock: socket.socket) -> dict | None:
+    """Read one frame; None at end of stream."""
+    buf = bytearray()
+    need = 8
+    size = None
+    while len(buf) < need:
+        chunk = sock.recv(min(need - len(buf), 1 << 20))
+        if not chunk:
+            return None
+        buf += chunk
+        if size is None and len(buf) >= 8:
+            size = int.from_bytes(buf[:8], "little")
+            need = 8 + size
+    return json.loads(buf[8:])
+
+
+# -- the sandbox view ------------------------------------------------------------------------
+
+
+def _bind_fd(fd: int, target: str) -> None:
+    linux.mount(f"/proc/self/fd/{fd}", target, None, linux.MS_BIND | linux.MS_REC)
+
+
+def build_view(masks: list[str], keep: list[str], files_root: str) -> None:
+    """Turn this process's (new) mount namespace into the sandbox view."""
+    linux.unshare(linux.CLONE_NEWNS)
+    linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
+    keep_fds = {p: os.open(p, os.O_PATH) for p in keep if os.path.exists(p)}
+    files_fd = os.open(files_root, os.O_PATH | os.O_DIRECTORY)
+    for mask in masks:
+        if not os.path.isdir(mask) or os.path.islink(mask):
+            continue
+        linux.mount("tmpfs", mask, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "mode=0755,size=1m")
+        for path, fd in keep_fds.items():
+            if path.startswith(mask.rstrip("/") + "/"):
+                os.makedirs(path, mode=0o755, exist_ok=True)
+                _bind_fd(fd, path)
+    os.makedirs(FILES_MOUNT, mode=0o700, exist_ok=True)
+    _bind_fd(files_fd, FILES_MOUNT)
+    for fd in [*keep_fds.values(), files_fd]:
+        os.close(fd)
+    linux.mount_setattr("/", linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID)
+
+
+# -- one worker ------------------------------------------------------------------------------
+
+
+def _prepare_worker(cfg: dict) -> None:
+    """In the new namespaces, still root: private /tmp, /dev/shm and /proc; lo up."""
+    linux.unshare(linux.CLONE_NEWNS | linux.CLONE_NEWNET | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS)
+    fl = linux.MS_NOSUID | linux.MS_NODEV
+    linux.mount("tmpfs", "/tmp", "tmpfs", fl, f"mode=1777,size={cfg['tmp_size_mb']}m")
+    linux.mount("tmpfs", "/dev/shm", "tmpfs", fl, "mode=1777,size=16m")
+    linux.mount("proc", "/proc", "proc", fl | linux.MS_NOEXEC)
+    linux.sethostname(cfg["hostname"])
+    linux.loopback_up()
+
+
+def _files_overlay(sandbox: str) -> None:
+    """Show the sandbox's files in /tmp, copy-on-write onto the call's own tmpfs."""
+    lower = os.path.join(FILES_MOUNT, sandbox, "files")
+    if not sandbox or not os.path.isdir(lower) or not os.listdir(lower):
+        return
+    os.mkdir("/tmp/.dsec-upper", 0o755)
+    os.mkdir("/tmp/.dsec-work", 0o700)
+    linux.mount(
+        "overlay",
+        "/tmp",
+        "overlay",
+        linux.MS_NOSUID | linux.MS_NODEV,
+        f"lowerdir={lower},upperdir=/tmp/.dsec-upper,workdir=/tmp/.dsec-work",
+    )
+    os.chmod("/tmp", 0o1777)
+
+
+def _drop_privileges(cfg: dict, spec: dict, uid: int) -> None:
+    lim = spec["limits"]
+    for res, value in (
+        (resource.RLIMIT_AS, lim["memory_bytes"]),
+        (resource.RLIMIT_NPROC, lim["processes"]),
+        (resource.RLIMIT_FSIZE, lim["file_size_bytes"]),
+        (resource.RLIMIT_NOFILE, lim["open_files"]),
+        (resource.RLIMIT_CPU, lim["cpu_seconds"]),
+        (resource.RLIMIT_CORE, 0),
+    ):
+        resource.setrlimit(res, (value, value))
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    linux.set_no_new_privs()
+    linux.load_seccomp(cfg["bpf"])
+
+
+def _warm_up() -> None:
+    """Touch, before the call arrives, what running it touches (copy-on-write faults are
+    the bulk of a fresh fork's first milliseconds): the stdio objects, the compiler, JSON."""
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8")
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace"
+    )
+    exec(compile("x = [str(i) for i in range(3)]", "<warm>", "exec"), {"__builtins__": builtins})
+    json.loads(json.dumps({"a": [1, 2.0, "3"]}))
+    resource.getrusage(resource.RUSAGE_SELF)
+
+
+def _run_python(code: str, env: dict, stdlib_path: list[str]) -> int:
+    """Run ``code`` as ``__main__`` in this (single-use) interpreter; returns the exit code.
+
+    ``sys.stdin/stdout/stderr`` are already the call's pipes (see :func:`_warm_up`).
+    """
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = stdlib_path
+    sys.argv[:] = ["-c"]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(128 + signal.SIGHUP))
+    status = 0
+    try:
+        exec(compile(code, "<fncall>", "exec"), {"__name__": "__main__", "__builtins__": builtins})
+    except SystemExit as exc:
+        if exc.code is None:
+            status = 0
+        elif isinstance(exc.code, int):
+            status = exc.code & 0xFF
+        else:
+            print(exc.code, file=sys.stderr)
+            status = 1
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    return status
+
+
+def _run_argv(argv: list[str], env: dict) -> int:
+    """Fork the program as PID 2; as PID 1, forward signals and reap. Returns its wait status."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+                signal.signal(sig, signal.SIG_DFL)
+            os.execvpe(argv[0], argv, env)
+        except OSError as exc:
+            os.write(2, f"dsec: cannot run {argv[0]!r}: {exc.strerror}\n".encode())
+            os._exit(127 if exc.errno == errno.ENOENT else 126)
+        os._exit(127)
+    linux.set_dumpable(False)  # the program (same uid) cannot reach this process's fds
+    devnull = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            os.killpg(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                signal.SIGUSR2):
+        signal.signal(sig, forward)
+    while True:
+        try:
+            reaped, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return 0
+        if reaped == pid:
+            return status
+
+
+def _worker(cfg: dict, uid: int, ctrl: socket.socket, fds: tuple[int, int, int]) -> None:
+    """The body of a worker process. Never returns.
+
+    Ends by closing the call's stdout/stderr and sending ``{"status", "cpu_s", "max_rss"}``
+    (a wait status) on ``ctrl``, so the supervisor can answer before the namespaces are torn
+    down; the zygote's own exit report covers a worker that dies without sending it.
+    """
+    status = 125 << 8
+    try:
+        linux.set_pdeathsig(signal.SIGKILL)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for target, fd in zip((0, 1, 2), fds, strict=True):
+            os.dup2(fd, target)  # from here on, errors reach the caller's stderr
+        os.closerange(3, ctrl.fileno())
+        os.closerange(ctrl.fileno() + 1, 1 << 16)
+        _prepare_worker(cfg)
+        _warm_up()
+        spec = recv_frame(ctrl)
+        if spec is None:  # the pool is shrinking
+            os._exit(0)
+        os.setpriority(os.PRIO_PROCESS, 0, 0)  # spawned at low priority; the call runs at normal
+        _files_overlay(spec.get("sandbox", ""))
+        os.chdir(spec.get("cwd") or "/tmp")
+        _drop_privileges(cfg, spec, uid)
+        if spec["mode"] == "python":
+            status = _run_python(spec["code"], spec["env"], cfg["stdlib_path"]) << 8
+        else:
+            status = _run_argv(spec["argv"], spec["env"])
+    except BaseException as exc:  # report, never fall back into the zygote's loop
+        try:
+            os.write(2, f"dsec: cannot start the call: {exc}\n".encode())
+        except OSError:
+            pass
+    try:
+        devnull = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+        send_frame(ctrl, {"status": status, "cpu_s": cpu, "max_rss": max(me.ru_maxrss, kids.ru_maxrss) * 1024})
+    except BaseException:
+        pass
+    os._exit(0)
+
+
+# -- the zygote loop -------------------------------------------------------------------------
+
+
+class Zygote:
+    def __init__(self, cfg: dict, sock: socket.socket) -> None:
+        self.cfg = cfg
+        self.sock = sock
+        self.free_uids = list(range(cfg["uid_base"] + cfg["uid_count"] - 1, cfg["uid_base"] - 1, -1))
+        self.workers: dict[int, tuple[int, int]] = {}  # pid -> (wid, uid)
+        self.next_wid = 0
+        self.pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)
+
+    def spawn(self) -> None:
+        if not self.free_uids:
+            _send(self.sock, {"op": "error", "message": "no free sandbox uid; raise uid_count"})
+            return
+        uid = self.free_uids.pop()
+        ctrl_parent, ctrl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            linux.unshare(linux.CLONE_NEWPID)  # the next child is PID 1 of a new namespace
+            pid = os.fork()
+        except OSError as exc:
+            linux.setns(self.pidns, linux.CLONE_NEWPID)
+            self.free_uids.append(uid)
+            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+                os.close(fd)
+            ctrl_parent.close()
+            ctrl_child.close()
+            _send(self.sock, {"op": "error", "message": f"cannot start a worker: {exc}"})
+            return
+        if pid == 0:
+            self.sock.close()
+            ctrl_parent.close()
+            for fd in (in_w, out_r, err_r):
+                os.close(fd)
+            _worker(self.cfg, uid, ctrl_child, (in_r, out_w, err_w))
+        linux.setns(self.pidns, linux.CLONE_NEWPID)  # back to making children in our own
+        ctrl_child.close()
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+        pidfd = os.pidfd_open(pid)
+        wid = self.next_wid
+        self.next_wid += 1
+        self.workers[pid] = (wid, uid)
+        fds = [ctrl_parent.fileno(), in_w, out_r, err_r, pidfd]
+        _send(self.sock, {"op": "ready", "wid": wid, "pid": pid, "uid": uid}, fds)
+        ctrl_parent.close()
+        for fd in (in_w, out_r, err_r, pidfd):
+            os.close(fd)
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status, ru = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            wid, uid = self.workers.pop(pid, (None, None))
+            if wid is None:
+                continue
+            self.free_uids.append(uid)
+            _send(
+                self.sock,
+                {
+                    "op": "exit",
+                    "wid": wid,
+                    "status": status,
+                    "cpu_s": ru.ru_utime + ru.ru_stime,
+                    "max_rss": ru.ru_maxrss * 1024,
+                },
+            )
+
+    def serve(self) -> None:
+        rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wfd)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        sel = selectors.DefaultSelector()
+        sel.register(self.sock, selectors.EVENT_READ)
+        sel.register(rfd, selectors.EVENT_READ)
+        gc.freeze()
+        while True:
+            for key, _ in sel.select():
+                if key.fileobj == rfd:
+                    while True:
+                        try:
+                            if not os.read(rfd, 512):
+                                break
+                        except BlockingIOError:
+                            break
+                    self.reap()
+                    continue
+                data = self.sock.recv(_MAX_MSG)
+                if not data:
+                    return  # the supervisor is gone; PDEATHSIG takes the workers
+                if json.loads(data)["op"] == "spawn":
+                    self.spawn()
+
+
+def main(cfg: dict) -> None:
+    """Entry (see :data:`BOOT`): serve the supervisor on fd ``cfg["sock_fd"]``."""
+    sock = socket.socket(fileno=cfg["sock_fd"])
+    cfg["bpf"] = bytes.fromhex(cfg.pop("bpf_hex"))
+    linux.set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != cfg["supervisor_pid"]:
+        os._exit(1)
+    build_view(cfg["masks"], cfg["keep"], cfg["files_root"])
+    os.setpriority(os.PRIO_PROCESS, 0, 10)  # refilling the pool yields to calls being served
+    Zygote(cfg, sock).serve()
