@@ -149,8 +149,8 @@ class ApiServer:
         if view is None:
             view = self.views[name] = NodeView(info)
         view.info = info
-        if info.state == "up":
-            self._down.pop(name, None)
+        if info.state == "up" and self._down[name].is_set():
+            self._down[name] = asyncio.Event()  # back up: later calls wait on a fresh event
         placed = self._placed[name]
         while placed and placed[0][0] < info.heartbeat_at:
             placed.popleft()

@@ -147,7 +147,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def create(self, sandbox: EdgeSandbox) -> SandboxStatus:
-        """Create a sandbox with the given id. Ready on return, or raise having cleaned up."""
+        """Create a sandbox with the given id. Ready on return, or raise having cleaned up.
+
+        An id that already exists raises Conflict and leaves that sandbox alone.
+        """
 
     @abc.abstractmethod
     async def destroy(self, ref: SandboxRef) -> None:

@@ -86,7 +86,7 @@ def discover(group: str) -> list[PluginInfo]:
                 distribution=dist,
                 version=version,
                 obj=ext.plugin if ext else None,
-                error=failures.get(ep.name) if ext is None else None,
+                error=None if ext else failures.get(ep.name, "not loaded (duplicate name?)"),
             )
         )
     return found
@@ -106,8 +106,9 @@ def load_drivers(group: str, names: Iterable[str]) -> dict[str, PluginInfo]:
     def on_failure(_mgr: Any, ep: metadata.EntryPoint, exc: BaseException) -> None:
         failures[ep.name] = f"{type(exc).__name__}: {exc}"
 
-    def on_missing(missing: set[str]) -> None:
-        failures.update({n: "no such plugin is installed" for n in missing})
+    def on_missing(missing: set[str]) -> None:  # also called for those that failed to load
+        for n in missing:
+            failures.setdefault(n, "no such plugin is installed")
 
     mgr = NamedExtensionManager(
         namespace=group,

@@ -140,16 +140,13 @@ async def _client_cmd(args: argparse.Namespace) -> int:
     console = Console()
     async with AsyncClient() as c:
         if args.cmd == "create":
-            with Progress(console=console, transient=False) as bar:
+            with Progress(console=Console(stderr=True), transient=False) as bar:
                 task = bar.add_task(f"creating {args.count} {args.backend}", total=args.count)
                 sbs = await c.create(
                     args.count, backend=args.backend, ttl=args.ttl,
                     progress=lambda done, total: bar.update(task, completed=done),
                 )
-            for sb in sbs[:20]:
-                print(sb.id)
-            if len(sbs) > 20:
-                print(f"... and {len(sbs) - 20} more (`dsec ls` lists them)")
+            print("\n".join(sb.id for sb in sbs))
         elif args.cmd == "ls":
             table = Table("id", "backend", "node", "state", "expires")
             for sb in await c.list():

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from nats.aio.client import Client as NATS
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from dsec_kernel import bus, errors
 from dsec_kernel.connection import resolve
@@ -44,6 +44,14 @@ M = TypeVar("M", bound=BaseModel)
 #: seconds the client waits beyond a command's own timeout
 _MARGIN_S = 30.0
 Progress = Callable[[int, int], object]
+
+
+def _model(cls: type[M], **fields: object) -> M:
+    """Build a request model; bad arguments raise InvalidArgument naming the field."""
+    try:
+        return cls(**fields)
+    except ValidationError as exc:
+        raise errors.InvalidArgument(bus.validation_message(exc)) from None
 
 
 def _raise_for(result: ExecResult) -> ExecResult:
@@ -108,18 +116,18 @@ class Sandbox:
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> int:
         """Create or replace the file at ``path``; returns its size."""
         payload = data.encode() if isinstance(data, str) else data
-        req = WriteFileRequest(sandbox_id=self.id, path=path, data=payload, mode=mode)
+        req = _model(WriteFileRequest, sandbox_id=self.id, path=path, data=payload, mode=mode)
         resp = await self._client._call("file.write", req, WriteFileResponse)
         return resp.size
 
     async def read_file(self, path: str) -> bytes:
         """The content of the file at ``path`` (NotFound if there is none)."""
-        req = ReadFileRequest(sandbox_id=self.id, path=path)
+        req = _model(ReadFileRequest, sandbox_id=self.id, path=path)
         return (await self._client._call("file.read", req, ReadFileResponse)).data
 
     async def status(self) -> SandboxInfo:
         """The sandbox's current record (``state`` is ``ready`` or ``lost``)."""
-        self.info = await self._client._call("status", StatusRequest(id=self.id), SandboxInfo)
+        self.info = await self._client._call("status", _model(StatusRequest, id=self.id), SandboxInfo)
         return self.info
 
     async def destroy(self) -> None:
@@ -207,7 +215,9 @@ class AsyncClient:
         """
         if count < 1:
             raise errors.InvalidArgument(f"count must be at least 1, not {count}")
-        spec = SandboxSpec(backend=backend, ttl_s=ttl, limits=limits or Limits(), labels=labels or {})
+        spec = _model(
+            SandboxSpec, backend=backend, ttl_s=ttl, limits=limits or Limits(), labels=labels or {}
+        )
         size = max(1, min(batch_size, MAX_BATCH))
         batches = [min(size, count - i) for i in range(0, count, size)]
         slots = asyncio.Semaphore(concurrency)
@@ -235,12 +245,12 @@ class AsyncClient:
 
     async def get(self, sandbox_id: str) -> Sandbox:
         """A handle on an existing sandbox of yours (NotFound otherwise)."""
-        info = await self._call("status", StatusRequest(id=sandbox_id), SandboxInfo)
+        info = await self._call("status", _model(StatusRequest, id=sandbox_id), SandboxInfo)
         return Sandbox(self, info)
 
     async def list(self, labels: dict[str, str] | None = None) -> list[Sandbox]:
         """Your sandboxes (those carrying all of ``labels``, when given)."""
-        resp = await self._call("list", ListRequest(labels=labels or {}), ListResponse)
+        resp = await self._call("list", _model(ListRequest, labels=labels or {}), ListResponse)
         return [Sandbox(self, info) for info in resp.sandboxes]
 
     async def destroy(self, sandboxes: Sandbox | str | Iterable[Sandbox | str]) -> list[str]:
@@ -250,7 +260,7 @@ class AsyncClient:
         destroyed: list[str] = []
         for i in range(0, len(ids), MAX_BATCH):
             resp = await self._call(
-                "destroy", DestroyRequest(ids=ids[i : i + MAX_BATCH]), DestroyResponse
+                "destroy", _model(DestroyRequest, ids=ids[i : i + MAX_BATCH]), DestroyResponse
             )
             destroyed += resp.destroyed
         return destroyed
@@ -290,17 +300,12 @@ class AsyncClient:
             max_output_bytes=max_output_bytes,
         )
         ids = [sb.id for sb in sandboxes]
-        chunks = [ids[i : i + MAX_BATCH] for i in range(0, len(ids), MAX_BATCH)]
+        reqs = [
+            _model(ExecRequest, sandbox_ids=ids[i : i + MAX_BATCH], **base)
+            for i in range(0, len(ids), MAX_BATCH)
+        ]
         resps = await asyncio.gather(
-            *(
-                self._call(
-                    "exec",
-                    ExecRequest(sandbox_ids=chunk, **base),
-                    ExecResponse,
-                    timeout + _MARGIN_S,
-                )
-                for chunk in chunks
-            )
+            *(self._call("exec", req, ExecResponse, timeout + _MARGIN_S) for req in reqs)
         )
         out: list[ExecResult | errors.DsecError] = []
         for resp in resps:
@@ -332,7 +337,8 @@ class AsyncClient:
 
         With ``sandbox`` (an fncall sandbox) the call also sees that sandbox's files.
         """
-        req = FncallRequest(
+        req = _model(
+            FncallRequest,
             code=code,
             language=language,
             timeout_s=timeout,

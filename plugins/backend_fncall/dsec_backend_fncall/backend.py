@@ -66,12 +66,15 @@ class FncallConfig(BaseModel):
     memory_mb: int = Field(512, ge=32, description="default address-space limit per call")
     processes: int = Field(64, ge=1, description="default process limit per call")
     file_size_mb: int = Field(64, ge=1, description="default largest file a call writes")
-    uid_base: int = Field(200_000, ge=1000, description="first uid calls run as")
+    uid_base: int = Field(
+        200_000, ge=1000, description="first uid calls run as; uid_base - 1 is their group"
+    )
     uid_count: int = Field(4096, ge=16, description="uids reserved for calls")
     mask_paths: list[str] = Field(
         default_factory=lambda: ["/root", "/home", "/run", "/var/tmp", "/srv", "/mnt", "/media"],
         description="directories calls see empty",
     )
+    loopback: bool = Field(False, description="bring lo up in each call's network namespace")
     startup_timeout_s: float = Field(30.0, gt=0)
 
 
@@ -142,6 +145,7 @@ class FncallBackend(Backend):
             keep=sorted(prefixes | set(code_dirs)),
             bpf_hex=compile_profile(ctx.hooks.guard_syscalls(self.name)).hex(),
             sys_path=code_dirs,
+            loopback=c.loopback,
         )
         for meta in self.root.glob("*/limits.json"):
             self._limits[meta.parent.name] = Limits.model_validate_json(meta.read_text())
@@ -206,7 +210,8 @@ class FncallBackend(Backend):
         d = self.root / sandbox.id
         try:
             (d / "files").mkdir(parents=True)
-            os.chmod(d / "files", 0o1777)
+            os.chown(d / "files", 0, self.config.uid_base - 1)
+            os.chmod(d / "files", 0o777)
             (d / "limits.json").write_text(sandbox.spec.limits.model_dump_json())
         except FileExistsError:
             raise errors.Conflict(f"sandbox {sandbox.id} already exists") from None

@@ -68,6 +68,7 @@ class SupervisorConfig(BaseModel):
     bpf_hex: str
     sys_path: list[str]
     hostname: str = "sandbox"
+    loopback: bool = False
 
 
 @dataclass
@@ -112,6 +113,7 @@ class Pool:
         self.ready: deque[Worker] = deque()
         self.waiters: deque[asyncio.Future[Worker]] = deque()
         self.spawning = 0
+        self.busy = 0
         self.live: dict[int, Worker] = {}
         self.sock: socket.socket | None = None
         self.proc: subprocess.Popen[bytes] | None = None
@@ -121,7 +123,8 @@ class Pool:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         zcfg = {
             **self.cfg.model_dump(include={"tmp_size_mb", "uid_base", "uid_count", "masks",
-                                           "keep", "bpf_hex", "sys_path", "hostname"}),
+                                           "keep", "bpf_hex", "sys_path", "hostname",
+                                           "loopback"}),
             "files_root": self.cfg.files_root,
             "sock_fd": child.fileno(),
             "supervisor_pid": os.getpid(),
@@ -130,6 +133,7 @@ class Pool:
             [sys.executable, "-S", "-I", "-c", BOOT, json.dumps(zcfg)],
             pass_fds=[child.fileno()],
             stdin=subprocess.DEVNULL,
+            env={"PYTHONIOENCODING": "utf-8:backslashreplace", "LANG": "C.UTF-8"},
             preexec_fn=lambda: die_with_parent(signal.SIGKILL),
         )
         child.close()
@@ -140,10 +144,23 @@ class Pool:
         self._refill()
 
     def _refill(self) -> None:
+        """Top the pool up. While calls run and half the pool is still ready, wait: forking
+        next to a running call slows it down, and the pool refills when calls finish."""
+        if self.busy and len(self.ready) >= self.cfg.pool_size // 2 and not self.waiters:
+            return
         want = self.cfg.pool_size + len(self.waiters)
         while self.sock is not None and len(self.ready) + self.spawning < want:
-            self.sock.send(b'{"op": "spawn"}')
+            urgent = self.spawning < len(self.waiters)
+            try:
+                self.sock.send(b'{"op": "spawn", "urgent": true}' if urgent else b'{"op": "spawn"}')
+            except OSError:  # the zygote is gone; _on_message sees the end and restarts it
+                return
             self.spawning += 1
+
+    def release(self) -> None:
+        """A worker taken with :meth:`take` has finished its call."""
+        self.busy -= 1
+        self._refill()
 
     async def take(self) -> Worker:
         if self.ready:
@@ -158,6 +175,7 @@ class Pool:
                 if fut.done() and not fut.cancelled():
                     self.ready.appendleft(fut.result())
                 raise
+        self.busy += 1
         self._refill()
         return w
 
@@ -240,7 +258,8 @@ class _Call:
 
 class Agent(AgentServicer):
     """The agent protocol over the pool. A sandbox's files live in ``files_root/<id>/files/``,
-    which calls see as their /tmp."""
+    which calls see as their /tmp. Files belong to root and the sandbox group (every call's
+    group), which gets the owner's permission bits."""
 
     def __init__(self, cfg: SupervisorConfig, pool: Pool) -> None:
         self.cfg = cfg
@@ -248,6 +267,7 @@ class Agent(AgentServicer):
         self.slots = asyncio.Semaphore(cfg.max_running)
         self.running: dict[int, _Call] = {}
         self.files_root = Path(cfg.files_root)
+        self.gid = cfg.uid_base - 1
 
     # -- exec --------------------------------------------------------------------------------
 
@@ -307,6 +327,7 @@ class Agent(AgentServicer):
                     yield event
             finally:
                 self.running.pop(worker.wid, None)
+                self.pool.release()
 
     async def Signal(self, request: pb.SignalRequest, context) -> pb.SignalResponse:  # noqa: N802
         delivered = 0
@@ -347,8 +368,8 @@ class Agent(AgentServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"{request.path}: no such file")
         except OSError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.path}: {exc.strerror}")
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
+        try:
+            st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.path}: not a regular file")
             if request.max_bytes and st.st_size > request.max_bytes:
@@ -356,7 +377,10 @@ class Agent(AgentServicer):
                     grpc.StatusCode.OUT_OF_RANGE,
                     f"{request.path} is {st.st_size} bytes, more than the {request.max_bytes} allowed",
                 )
-            return pb.ReadFileResponse(data=f.read())
+            with os.fdopen(os.dup(fd), "rb") as f:
+                return pb.ReadFileResponse(data=f.read())
+        finally:
+            os.close(fd)
 
     async def WriteFile(self, request: pb.WriteFileRequest, context) -> pb.WriteFileResponse:  # noqa: N802
         try:
@@ -368,12 +392,15 @@ class Agent(AgentServicer):
                     raise ValueError(f"{request.path}: a parent is not a directory")
                 if not d.exists():
                     d.mkdir()
-                    os.chmod(d, 0o1777)
+                    os.chown(d, 0, self.gid)
+                    os.chmod(d, 0o777)
             tmp = host.with_name(f".{host.name}.dsec-tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(request.data)
-            os.chmod(tmp, request.mode or 0o644)
+            mode = request.mode or 0o644
+            os.chown(tmp, 0, self.gid)
+            os.chmod(tmp, mode | (mode & 0o700) >> 3)  # the sandbox group gets the owner's rights
             os.replace(tmp, host)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -427,10 +454,9 @@ async def _run(worker: Worker, spec: dict, stdin: bytes, timeout: float, cap: in
                 open_streams -= 1
             else:
                 yield pb.ExecEvent(**{name: data})
-        report = asyncio.ensure_future(_read_report(worker.ctrl))
-        await asyncio.wait({report, worker.exited}, return_when=asyncio.FIRST_COMPLETED)
-        info = report.result() if report.done() and report.result() else await worker.exited
-        report.cancel()
+        # the worker's own report (sent before it exits) has the program's status; without
+        # one (it was killed, or died), the zygote's wait status of the worker stands
+        info = await _read_report(worker.ctrl) or await worker.exited
         duration = time.monotonic() - started
         code = -signal.SIGKILL if state["timed_out"] else os.waitstatus_to_exitcode(info["status"])
         yield pb.ExecEvent(

@@ -8,15 +8,17 @@ running as its own unprivileged uid, sees only its own sandbox's files, through 
 
 Protocol with the supervisor, over a SOCK_SEQPACKET socket (one JSON message each)::
 
-    -> {"op": "spawn"}                          start one worker
+    -> {"op": "spawn", "urgent": bool}          start one worker (urgent: a call waits for it)
     <- {"op": "ready", "wid", "pid", "uid"}     + fds: ctrl, stdin(w), stdout(r), stderr(r), pidfd
     <- {"op": "exit", "wid", "status", "cpu_s", "max_rss"}   a worker ended (raw wait status)
     <- {"op": "error", "message"}               a spawn failed
 
 A worker is PID 1 of new PID, mount, network, IPC and UTS namespaces, with a fresh tmpfs on
-``/tmp`` and ``/dev/shm``, its own ``/proc`` and ``lo`` up. It waits on its ctrl socket for one
-call (see :func:`_run_call`), runs it as an unprivileged uid of its own under rlimits and
-seccomp, and exits. Killing it kills everything the call started (the PID namespace dies).
+``/tmp`` and ``/dev/shm`` and its own ``/proc``; its network namespace has no interface up
+(``lo`` only when configured). It waits on its ctrl socket for one call (see :func:`_worker`),
+runs it as an unprivileged uid of its own (group ``uid_base - 1``, which owns sandboxes'
+files) under rlimits and seccomp, and exits. Killing it
+kills everything the call started (the PID namespace dies with its PID 1).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import array
 import builtins
 import errno
 import gc
-import io
 import json
 import os
 import resource
@@ -42,7 +43,8 @@ FILES_MOUNT = "/run/dsec-files"
 #: run with ``python -S -I -c BOOT CONFIG_JSON``: puts the plugin on sys.path, remembers the
 #: standard library path for calls, and starts :func:`main`.
 BOOT = (
-    "import json, sys; cfg = json.loads(sys.argv[1]); cfg['stdlib_path'] = list(sys.path); "
+    "import faulthandler, json, sys; faulthandler.enable(); cfg = json.loads(sys.argv[1]); "
+    "cfg['stdlib_path'] = list(sys.path); "
     "sys.path[:0] = cfg['sys_path']; from dsec_backend_fncall.zygote import main; main(cfg)"
 )
 _MAX_MSG = 1 << 20
@@ -86,9 +88,11 @@ def _bind_fd(fd: int, target: str) -> None:
 
 
 def build_view(masks: list[str], keep: list[str], files_root: str) -> None:
-    """Turn this process's (new) mount namespace into the sandbox view."""
+    """Turn this process's (new) mount namespace into the sandbox view. ``/run`` is always
+    masked: the files mount point is made inside that tmpfs, never on the host."""
     linux.unshare(linux.CLONE_NEWNS)
     linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
+    masks = list(dict.fromkeys([*masks, "/run"]))
     keep_fds = {p: os.open(p, os.O_PATH) for p in keep if os.path.exists(p)}
     files_fd = os.open(files_root, os.O_PATH | os.O_DIRECTORY)
     for mask in masks:
@@ -110,14 +114,15 @@ def build_view(masks: list[str], keep: list[str], files_root: str) -> None:
 
 
 def _prepare_worker(cfg: dict) -> None:
-    """In the new namespaces, still root: private /tmp, /dev/shm and /proc; lo up."""
+    """Enter new namespaces and, still root, mount a private /tmp, /dev/shm and /proc."""
     linux.unshare(linux.CLONE_NEWNS | linux.CLONE_NEWNET | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS)
     fl = linux.MS_NOSUID | linux.MS_NODEV
     linux.mount("tmpfs", "/tmp", "tmpfs", fl, f"mode=1777,size={cfg['tmp_size_mb']}m")
     linux.mount("tmpfs", "/dev/shm", "tmpfs", fl, "mode=1777,size=16m")
     linux.mount("proc", "/proc", "proc", fl | linux.MS_NOEXEC)
     linux.sethostname(cfg["hostname"])
-    linux.loopback_up()
+    if cfg["loopback"]:
+        linux.loopback_up()
 
 
 def _files_overlay(sandbox: str) -> None:
@@ -134,7 +139,6 @@ def _files_overlay(sandbox: str) -> None:
         linux.MS_NOSUID | linux.MS_NODEV,
         f"lowerdir={lower},upperdir=/tmp/.dsec-upper,workdir=/tmp/.dsec-work",
     )
-    os.chmod("/tmp", 0o1777)
 
 
 def _drop_privileges(cfg: dict, spec: dict, uid: int) -> None:
@@ -149,29 +153,18 @@ def _drop_privileges(cfg: dict, spec: dict, uid: int) -> None:
     ):
         resource.setrlimit(res, (value, value))
     os.setgroups([])
-    os.setresgid(uid, uid, uid)
+    gid = cfg["uid_base"] - 1  # every call shares the sandbox group, which owns its files
+    os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
     linux.set_no_new_privs()
     linux.load_seccomp(cfg["bpf"])
 
 
-def _warm_up() -> None:
-    """Touch, before the call arrives, what running it touches (copy-on-write faults are
-    the bulk of a fresh fork's first milliseconds): the stdio objects, the compiler, JSON."""
-    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8")
-    sys.stderr = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace"
-    )
-    exec(compile("x = [str(i) for i in range(3)]", "<warm>", "exec"), {"__builtins__": builtins})
-    json.loads(json.dumps({"a": [1, 2.0, "3"]}))
-    resource.getrusage(resource.RUSAGE_SELF)
-
-
 def _run_python(code: str, env: dict, stdlib_path: list[str]) -> int:
     """Run ``code`` as ``__main__`` in this (single-use) interpreter; returns the exit code.
 
-    ``sys.stdin/stdout/stderr`` are already the call's pipes (see :func:`_warm_up`).
+    ``sys.stdin/stdout/stderr`` are the zygote's own (UTF-8, empty buffers), created once: in
+    the worker they read and write fds 0-2, which are the call's pipes.
     """
     os.environ.clear()
     os.environ.update(env)
@@ -202,18 +195,16 @@ def _run_python(code: str, env: dict, stdlib_path: list[str]) -> int:
 
 
 def _run_argv(argv: list[str], env: dict) -> int:
-    """Fork the program as PID 2; as PID 1, forward signals and reap. Returns its wait status."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setsid()
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
-                signal.signal(sig, signal.SIG_DFL)
-            os.execvpe(argv[0], argv, env)
-        except OSError as exc:
-            os.write(2, f"dsec: cannot run {argv[0]!r}: {exc.strerror}\n".encode())
-            os._exit(127 if exc.errno == errno.ENOENT else 126)
-        os._exit(127)
+    """Start the program as PID 2 (posix_spawn: no page-table copy); as PID 1, forward
+    signals and reap. Returns its wait status."""
+    try:
+        pid = os.posix_spawnp(
+            argv[0], argv, env, setsid=True,
+            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM),
+        )
+    except OSError as exc:
+        os.write(2, f"dsec: cannot run {argv[0]!r}: {exc.strerror}\n".encode())
+        return (127 if exc.errno == errno.ENOENT else 126) << 8
     linux.set_dumpable(False)  # the program (same uid) cannot reach this process's fds
     devnull = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
@@ -254,11 +245,10 @@ def _worker(cfg: dict, uid: int, ctrl: socket.socket, fds: tuple[int, int, int])
         os.closerange(3, ctrl.fileno())
         os.closerange(ctrl.fileno() + 1, 1 << 16)
         _prepare_worker(cfg)
-        _warm_up()
         spec = recv_frame(ctrl)
         if spec is None:  # the pool is shrinking
             os._exit(0)
-        os.setpriority(os.PRIO_PROCESS, 0, 0)  # spawned at low priority; the call runs at normal
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # spawned idle; runs normal
         _files_overlay(spec.get("sandbox", ""))
         os.chdir(spec.get("cwd") or "/tmp")
         _drop_privileges(cfg, spec, uid)
@@ -295,7 +285,18 @@ class Zygote:
         self.next_wid = 0
         self.pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)
 
-    def spawn(self) -> None:
+    def spawn(self, urgent: bool) -> None:
+        """Fork one worker. The zygote runs SCHED_IDLE, so refilling the pool never slows the
+        calls being served; a worker a call already waits for is made at normal priority."""
+        if urgent:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        try:
+            self._spawn()
+        finally:
+            if urgent:
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+    def _spawn(self) -> None:
         if not self.free_uids:
             _send(self.sock, {"op": "error", "message": "no free sandbox uid; raise uid_count"})
             return
@@ -381,8 +382,9 @@ class Zygote:
                 data = self.sock.recv(_MAX_MSG)
                 if not data:
                     return  # the supervisor is gone; PDEATHSIG takes the workers
-                if json.loads(data)["op"] == "spawn":
-                    self.spawn()
+                msg = json.loads(data)
+                if msg["op"] == "spawn":
+                    self.spawn(msg.get("urgent", False))
 
 
 def main(cfg: dict) -> None:
@@ -393,5 +395,5 @@ def main(cfg: dict) -> None:
     if os.getppid() != cfg["supervisor_pid"]:
         os._exit(1)
     build_view(cfg["masks"], cfg["keep"], cfg["files_root"])
-    os.setpriority(os.PRIO_PROCESS, 0, 10)  # refilling the pool yields to calls being served
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # refills yield to calls
     Zygote(cfg, sock).serve()

@@ -33,6 +33,8 @@ class NoopBackend(Backend):
         self._ids: set[str] = set()
 
     async def create(self, sandbox: EdgeSandbox) -> SandboxStatus:
+        if sandbox.id in self._ids:
+            raise errors.Conflict(f"sandbox {sandbox.id} already exists")
         if len(self._ids) >= self.config.max_sandboxes:
             raise errors.CapacityExceeded(f"noop holds at most {self.config.max_sandboxes}")
         self._ids.add(sandbox.id)

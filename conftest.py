@@ -1,0 +1,87 @@
+"""Shared test fixtures: real nats-server, real platform processes, and a leak check.
+
+The session ends by checking that the tests left no DSec or nats-server process, no new
+mount and no network namespace behind.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.register_assert_rewrite("dsec_kernel.conformance")
+
+from dsec_kernel.cluster import LocalCluster
+from dsec_kernel.natsserver import NatsServer
+
+_OURS = ("nats-server", "dsec_kernel.cli", "dsec_backend_fncall", "dsec up")
+
+
+def our_processes() -> dict[int, str]:
+    """pid -> command line of every nats-server / DSec process on the machine."""
+    found = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(s in cmd for s in _OURS):
+            found[int(pid)] = cmd[:200]
+    return found
+
+
+def netns_entries() -> set[str]:
+    try:
+        return set(os.listdir("/run/netns"))
+    except FileNotFoundError:
+        return set()
+
+
+def mounts() -> set[str]:
+    return set(Path("/proc/self/mounts").read_text().splitlines())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaks():
+    """Fail the session if it leaves processes, mounts or network namespaces behind."""
+    before = (set(our_processes()), mounts(), netns_entries())
+    yield
+    deadline = time.monotonic() + 15
+    while True:
+        procs = {p: c for p, c in our_processes().items() if p not in before[0]}
+        new_mounts = mounts() - before[1]
+        new_netns = netns_entries() - before[2]
+        if not (procs or new_mounts or new_netns) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not procs, f"processes left behind: {procs}"
+    assert not new_mounts, f"mounts left behind: {new_mounts}"
+    assert not new_netns, f"network namespaces left behind: {new_netns}"
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory):
+    """A real nats-server with JetStream on a free port, for one test module."""
+    with NatsServer(tmp_path_factory.mktemp("nats")) as server:
+        yield server.url
+
+
+@pytest.fixture
+def local_cluster(tmp_path):
+    """A factory for LocalClusters (nats + apiservers + edges as processes), stopped after."""
+    made: list[LocalCluster] = []
+
+    def make(env: dict[str, str] | None = None) -> LocalCluster:
+        cluster = LocalCluster(tmp_path / f"cluster{len(made)}", env)
+        made.append(cluster)
+        cluster.start_nats()
+        return cluster
+
+    yield make
+    for cluster in made:
+        cluster.stop()

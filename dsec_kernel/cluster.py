@@ -1,0 +1,193 @@
+"""Running DSec on this machine: what ``dsec up``, the tests and the benchmarks share.
+
+:class:`LocalCluster` starts a real nats-server (JetStream, free port), apiservers and edges,
+each its own process, and can kill and restart any of them. Third-party plugins can use it to
+test against a real platform.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from dsec_kernel import bus, errors
+from dsec_kernel.connection import Connection
+from dsec_kernel.natsserver import NatsServer
+from dsec_kernel.procs import die_with_parent
+from dsec_kernel.state import ClusterState, token_key
+from dsec_kernel.wire import NodeInfo, NodesRequest, NodesResponse
+
+__all__ = ["Child", "LocalCluster", "ensure_tenant", "wait_ready"]
+
+_DSEC = [sys.executable, "-m", "dsec_kernel.cli"]
+
+
+class Child:
+    """A DSec service process whose output goes to a log file; dies with its parent."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log = log
+        with open(log, "ab") as f:
+            self.proc = subprocess.Popen(
+                argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                preexec_fn=die_with_parent,
+            )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def check(self) -> None:
+        """Raise Unavailable, with the end of its log, if the process has exited."""
+        if self.proc.poll() is not None:
+            tail = self.log.read_text(errors="replace").splitlines()[-15:]
+            raise errors.Unavailable(
+                f"{self.name} exited with status {self.proc.returncode}; last lines of "
+                f"{self.log}:\n  " + "\n  ".join(tail)
+            )
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout``. Idempotent."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+async def ensure_tenant(url: str, name: str, reuse_token: str | None = None) -> Connection:
+    """A credential for tenant ``name``: ``reuse_token`` if the cluster still knows it."""
+    nc = await bus.connect(url, name="dsec-admin")
+    try:
+        state = await ClusterState.open(nc)
+        if reuse_token:
+            try:
+                entry = await state.tenants.get(token_key(reuse_token))
+                return Connection(url, reuse_token, json.loads(entry.value)["tenant"])
+            except Exception:
+                pass
+        return Connection(url, await state.create_tenant(name), name)
+    finally:
+        await nc.drain()
+
+
+async def wait_ready(
+    conn: Connection,
+    nodes: Iterable[str],
+    children: Iterable[Child] = (),
+    timeout: float = 60.0,
+    since: float = 0.0,
+) -> list[NodeInfo]:
+    """Until an apiserver answers and lists every node in ``nodes`` up with a backend and a
+    heartbeat newer than ``since`` (a time.time()).
+
+    Raises Unavailable if a child exits meanwhile or ``timeout`` passes.
+    """
+    want = set(nodes)
+    children = list(children)
+    nc = await bus.connect(conn.url, name="dsec-wait")
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            for c in children:
+                c.check()
+            try:
+                resp = await bus.request(
+                    nc, bus.api_subject("nodes"), NodesRequest(), NodesResponse,
+                    timeout=2, headers={bus.TOKEN_HEADER: conn.token},
+                )
+                up = {
+                    n.node
+                    for n in resp.nodes
+                    if n.state == "up" and n.backends and n.heartbeat_at >= since
+                }
+                if want <= up:
+                    return resp.nodes
+            except errors.DsecError:
+                pass
+            if time.monotonic() > deadline:
+                raise errors.Unavailable(f"the platform was not ready within {timeout:.0f}s")
+            await asyncio.sleep(0.05)
+    finally:
+        await nc.drain()
+
+
+class LocalCluster:
+    """nats-server + apiservers + edges on this machine, each a process.
+
+    ``env`` adds ``DSEC_*`` settings for every service (e.g. fncall pool size).
+    """
+
+    def __init__(self, state_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.state_dir = Path(state_dir)
+        self.logs = self.state_dir / "logs"
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.nats = NatsServer(self.state_dir / "nats")
+        self.apiservers: list[Child] = []
+        self.edges: dict[str, Child] = {}
+        self.started: dict[str, float] = {}
+        self.conn: Connection | None = None
+
+    @property
+    def url(self) -> str:
+        return self.nats.url
+
+    def start_nats(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.nats.start()
+        self.env["DSEC_NATS_URL"] = self.nats.url
+
+    def start_apiserver(self, *args: str) -> Child:
+        i = len(self.apiservers)
+        child = Child(f"apiserver-{i}", [*_DSEC, "apiserver", *args],
+                      self.logs / f"apiserver-{i}.log", self.env)
+        self.apiservers.append(child)
+        return child
+
+    def start_edge(self, node: str, backends: Iterable[str] | None = None, *args: str) -> Child:
+        argv = [*_DSEC, "edge", "--node", node, "--state-dir", str(self.state_dir / "nodes" / node)]
+        if backends:
+            argv += ["--backends", ",".join(backends)]
+        child = Child(f"edge {node}", [*argv, *args], self.logs / f"edge-{node}.log", self.env)
+        self.edges[node] = child
+        self.started[node] = time.time()
+        return child
+
+    def tenant(self, name: str = "default") -> Connection:
+        """A new credential for tenant ``name``."""
+        return asyncio.run(ensure_tenant(self.url, name))
+
+    async def ready(self, timeout: float = 60.0) -> list[NodeInfo]:
+        """Wait until every started edge is up (a default tenant is created on first use)."""
+        if self.conn is None:
+            self.conn = await ensure_tenant(self.url, "default")
+        children = [*self.apiservers, *(c for c in self.edges.values() if c.alive())]
+        nodes = [n for n, c in self.edges.items() if c.alive()]
+        since = min((self.started[n] for n in nodes), default=0.0)
+        return await wait_ready(self.conn, nodes, children, timeout, since)
+
+    def stop(self) -> None:
+        for child in [*self.edges.values(), *self.apiservers]:
+            child.stop()
+        self.nats.stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

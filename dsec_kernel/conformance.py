@@ -1,0 +1,227 @@
+"""The backend conformance suite: behaviour every backend must show, run against the real thing.
+
+Use it from a backend package's tests (pytest + pytest-asyncio). The tests of a class share
+one event loop, so one started backend can serve them all::
+
+    import pytest_asyncio
+    from dsec_kernel.conformance import BackendConformance, started
+
+    class TestMyBackend(BackendConformance):
+        @pytest_asyncio.fixture(scope="class", loop_scope="class")
+        async def backend(self, tmp_path_factory):
+            async with started(MyBackend(), tmp_path_factory.mktemp("b")) as b:
+                yield b
+
+Tests of a capability the backend does not declare check that the method raises
+``Unsupported`` instead. See docs/plugins.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from dsec_kernel import errors
+from dsec_kernel.backend import Backend, BackendContext, ExecCall, SandboxRef
+from dsec_kernel.plugins import Hooks
+from dsec_kernel.wire import (
+    EdgeSandbox,
+    FncallRequest,
+    ReadFileRequest,
+    SandboxSpec,
+    WriteFileRequest,
+)
+
+__all__ = ["BackendConformance", "started"]
+
+
+@asynccontextmanager
+async def started(backend: Backend, state_dir: Path, node: str = "conformance") -> AsyncIterator[Backend]:
+    """Start ``backend`` with a private state directory; close it afterwards."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    await backend.start(BackendContext(node, state_dir, Hooks.load(plugins=[backend])))
+    try:
+        yield backend
+    finally:
+        await backend.close()
+
+
+def _new(backend: Backend) -> EdgeSandbox:
+    return EdgeSandbox(
+        id="sb-" + secrets.token_hex(8),
+        tenant="conformance",
+        spec=SandboxSpec(backend=backend.name),
+        created_at=time.time(),
+    )
+
+
+class BackendConformance:
+    """Behaviour tests for any backend. Subclass and provide a ``backend`` fixture."""
+
+    pytestmark = pytest.mark.asyncio(loop_scope="class")
+    #: seconds a timed-out command may overrun its timeout before the test fails
+    timeout_slack_s = 5.0
+
+    @pytest_asyncio.fixture(loop_scope="class")
+    async def sandbox(self, backend: Backend) -> AsyncIterator[str]:
+        sb = _new(backend)
+        await backend.create(sb)
+        yield sb.id
+        await backend.destroy(SandboxRef(sandbox_id=sb.id))
+
+    def call(self, sandbox: str, argv: list[str], **kw: object) -> ExecCall:
+        return ExecCall(
+            sandbox_id=sandbox, argv=argv, timeout_s=kw.pop("timeout_s", 30.0),
+            max_output_bytes=kw.pop("max_output_bytes", 1 << 20), **kw,  # type: ignore[arg-type]
+        )
+
+    def need(self, backend: Backend, capability: str) -> None:
+        if not getattr(backend.capabilities, capability):
+            pytest.skip(f"{backend.name} does not declare {capability}")
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def test_declares_capabilities(self, backend: Backend) -> None:
+        assert backend.name
+        assert backend.capabilities.max_sandboxes > 0
+
+    async def test_create_status_list_destroy(self, backend: Backend) -> None:
+        sb = _new(backend)
+        status = await backend.create(sb)
+        assert status.sandbox_id == sb.id and status.state == "ready"
+        assert (await backend.status(SandboxRef(sandbox_id=sb.id))).state == "ready"
+        assert sb.id in await backend.list_sandboxes()
+        await backend.destroy(SandboxRef(sandbox_id=sb.id))
+        assert sb.id not in await backend.list_sandboxes()
+        with pytest.raises(errors.NotFound):
+            await backend.status(SandboxRef(sandbox_id=sb.id))
+
+    async def test_destroy_is_idempotent(self, backend: Backend) -> None:
+        sb = _new(backend)
+        await backend.create(sb)
+        await backend.destroy(SandboxRef(sandbox_id=sb.id))
+        await backend.destroy(SandboxRef(sandbox_id=sb.id))
+        await backend.destroy(SandboxRef(sandbox_id="sb-" + "0" * 16))
+
+    async def test_create_existing_id_conflicts(self, backend: Backend, sandbox: str) -> None:
+        sb = _new(backend).model_copy(update={"id": sandbox})
+        with pytest.raises(errors.Conflict):
+            await backend.create(sb)
+        assert (await backend.status(SandboxRef(sandbox_id=sandbox))).state == "ready"
+
+    async def test_many_at_once(self, backend: Backend) -> None:
+        sbs = [_new(backend) for _ in range(20)]
+        await asyncio.gather(*(backend.create(sb) for sb in sbs))
+        listed = set(await backend.list_sandboxes())
+        assert {sb.id for sb in sbs} <= listed
+        await asyncio.gather(*(backend.destroy(SandboxRef(sandbox_id=sb.id)) for sb in sbs))
+        assert not {sb.id for sb in sbs} & set(await backend.list_sandboxes())
+
+    async def test_undeclared_capabilities_are_unsupported(self, backend: Backend, sandbox: str) -> None:
+        caps = backend.capabilities
+        ref = SandboxRef(sandbox_id=sandbox)
+        checks = {
+            "exec": lambda: backend.exec(self.call(sandbox, ["true"])),
+            "files": lambda: backend.read_file(ReadFileRequest(sandbox_id=sandbox, path="/tmp/x")),
+            "snapshot": lambda: backend.snapshot(ref),
+            "pause": lambda: backend.pause(ref),
+        }
+        for capability, fn in checks.items():
+            if not getattr(caps, capability):
+                with pytest.raises(errors.Unsupported):
+                    await fn()
+        if not caps.fncall_languages:
+            with pytest.raises(errors.Unsupported):
+                await backend.fncall(FncallRequest(code="print(1)"))
+
+    # -- commands ----------------------------------------------------------------------------
+
+    async def test_exec_output_and_exit_code(self, backend: Backend, sandbox: str) -> None:
+        self.need(backend, "exec")
+        r = await backend.exec(self.call(sandbox, ["/bin/sh", "-c", "echo out; echo err >&2; exit 3"]))
+        assert (r.stdout, r.stderr, r.exit_code) == (b"out\n", b"err\n", 3)
+        assert not r.timed_out and not r.truncated and r.duration_s > 0
+
+    async def test_exec_stdin_env_cwd(self, backend: Backend, sandbox: str) -> None:
+        self.need(backend, "exec")
+        r = await backend.exec(
+            self.call(sandbox, ["/bin/sh", "-c", 'cat; echo "$GREETING"; pwd'], stdin=b"in\n",
+                      env={"GREETING": "hello", "PATH": "/usr/bin:/bin"}, cwd="/tmp")
+        )
+        assert r.stdout == b"in\nhello\n/tmp\n", r
+
+    async def test_exec_missing_program(self, backend: Backend, sandbox: str) -> None:
+        self.need(backend, "exec")
+        r = await backend.exec(self.call(sandbox, ["/no/such/program"]))
+        assert r.exit_code == 127 and b"no/such/program" in r.stderr
+
+    async def test_exec_timeout_kills_everything(self, backend: Backend, sandbox: str) -> None:
+        self.need(backend, "exec")
+        t = time.monotonic()
+        r = await backend.exec(
+            self.call(sandbox, ["/bin/sh", "-c", "trap '' TERM; sleep 100 & sleep 100"], timeout_s=0.5)
+        )
+        assert r.timed_out and r.exit_code == -9
+        assert time.monotonic() - t < 0.5 + self.timeout_slack_s
+
+    async def test_exec_output_is_capped(self, backend: Backend, sandbox: str) -> None:
+        self.need(backend, "exec")
+        r = await backend.exec(
+            self.call(sandbox, ["/bin/sh", "-c", "head -c 5000000 /dev/zero"], max_output_bytes=1000)
+        )
+        assert r.truncated and len(r.stdout) == 1000 and r.exit_code == 0
+
+    async def test_exec_state_follows_capability(self, backend: Backend, sandbox: str) -> None:
+        self.need(backend, "exec")
+        await backend.exec(self.call(sandbox, ["/bin/sh", "-c", "echo kept > /tmp/state"]))
+        r = await backend.exec(self.call(sandbox, ["/bin/sh", "-c", "cat /tmp/state"]))
+        if backend.capabilities.stateful:
+            assert r.stdout == b"kept\n"
+        else:
+            assert r.exit_code != 0 and r.stdout == b""
+
+    async def test_exec_unknown_sandbox(self, backend: Backend) -> None:
+        self.need(backend, "exec")
+        with pytest.raises(errors.NotFound):
+            await backend.exec(self.call("sb-" + "0" * 16, ["true"]))
+
+    # -- files -------------------------------------------------------------------------------
+
+    async def test_files_roundtrip_and_visible_to_exec(self, backend: Backend, sandbox: str) -> None:
+        self.need(backend, "files")
+        data = bytes(range(256)) * 100
+        w = await backend.write_file(
+            WriteFileRequest(sandbox_id=sandbox, path="/tmp/dir/f.bin", data=data, mode=0o640)
+        )
+        assert w.size == len(data)
+        r = await backend.read_file(ReadFileRequest(sandbox_id=sandbox, path="/tmp/dir/f.bin"))
+        assert r.data == data
+        if backend.capabilities.exec:
+            e = await backend.exec(self.call(sandbox, ["/bin/sh", "-c", "wc -c < /tmp/dir/f.bin"]))
+            assert e.stdout.strip() == str(len(data)).encode()
+
+    async def test_read_missing_file(self, backend: Backend, sandbox: str) -> None:
+        self.need(backend, "files")
+        with pytest.raises(errors.NotFound):
+            await backend.read_file(ReadFileRequest(sandbox_id=sandbox, path="/tmp/missing"))
+
+    # -- stateless calls ---------------------------------------------------------------------
+
+    async def test_fncall_languages(self, backend: Backend) -> None:
+        langs = backend.capabilities.fncall_languages
+        if not langs:
+            pytest.skip(f"{backend.name} serves no fncall languages")
+        programs = {"python": "print(6*7)", "bash": "echo $((6*7))"}
+        for lang in langs:
+            if lang in programs:
+                r = await backend.fncall(FncallRequest(code=programs[lang], language=lang))
+                assert (r.stdout, r.exit_code) == (b"42\n", 0), (lang, r)
+        with pytest.raises(errors.InvalidArgument):
+            await backend.fncall(FncallRequest(code="x", language="no-such-language"))

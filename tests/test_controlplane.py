@@ -1,0 +1,314 @@
+"""The control plane on a real nats-server: apiservers and edges in this process (noop backend).
+
+Covers placement across edges, batching, tenants, bad input, TTLs, several apiservers,
+apiserver restarts, nodes going down and edge reconciliation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+
+import pytest
+
+import dsec_kernel as dsec
+from dsec_kernel import bus, errors
+from dsec_kernel.apiserver import ApiServer
+from dsec_kernel.backend import Backend, Capabilities, SandboxRef, SandboxStatus
+from dsec_kernel.config import ApiSettings, EdgeSettings
+from dsec_kernel.edge import Edge, load_backends
+from dsec_kernel.natsserver import NatsServer
+from dsec_kernel.placement import LeastLoaded
+from dsec_kernel.plugins import Hooks
+from dsec_kernel.state import ClusterState
+from dsec_kernel.wire import EdgeSandbox, SandboxSpec
+
+HEARTBEAT = 0.2
+NODE_TIMEOUT = 1.5
+
+
+class Platform:
+    """apiservers and edges sharing one real nats-server, all in this event loop."""
+
+    def __init__(self, url: str, tmp_path) -> None:
+        self.url = url
+        self.tmp = tmp_path
+        self.apis: list[ApiServer] = []
+        self.edges: dict[str, Edge] = {}
+        self.conns = []
+
+    async def _nc(self, name: str):
+        nc = await bus.connect(self.url, name=name)
+        self.conns.append(nc)
+        return nc
+
+    async def add_apiserver(self) -> ApiServer:
+        hooks = Hooks.load(guards=[])
+        settings = ApiSettings(nats_url=self.url, node_timeout_s=NODE_TIMEOUT, heartbeat_s=HEARTBEAT)
+        api = ApiServer(await self._nc("api"), settings, hooks, LeastLoaded(hooks))
+        await api.start()
+        self.apis.append(api)
+        return api
+
+    async def add_edge(self, node: str, backends: dict[str, Backend] | None = None, **cfg) -> Edge:
+        settings = EdgeSettings(nats_url=self.url, node=node, state_dir=self.tmp / node,
+                                backends=["noop"], heartbeat_s=HEARTBEAT, **cfg)
+        if backends is None:
+            backends, _ = load_backends(settings)
+        edge = Edge(await self._nc(node), settings, backends, Hooks.load(guards=[]))
+        await edge.start()
+        self.edges[node] = edge
+        return edge
+
+    async def stop_edge(self, node: str) -> None:
+        await self.edges.pop(node).stop()
+
+    async def tenant(self, name: str) -> dsec.AsyncClient:
+        state = await ClusterState.open(await self._nc("admin"))
+        token = await state.create_tenant(name)
+        return await dsec.AsyncClient(url=self.url, token=token).connect()
+
+    async def close(self) -> None:
+        for edge in self.edges.values():
+            await edge.stop()
+        for api in self.apis:
+            await api.stop()
+        for nc in self.conns:
+            await nc.close()
+
+
+@pytest.fixture
+async def platform(tmp_path):
+    with NatsServer(tmp_path / "nats") as server:
+        p = Platform(server.url, tmp_path)
+        await p.add_apiserver()
+        yield p
+        await p.close()
+
+
+async def until(predicate, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+async def test_placement_spreads_sandboxes_across_three_edges(platform):
+    for node in ("e1", "e2", "e3"):
+        await platform.add_edge(node)
+    c = await platform.tenant("alice")
+    sbs = await c.create(count=30, backend="noop")
+    assert Counter(sb.node for sb in sbs) == {"e1": 10, "e2": 10, "e3": 10}
+    more = await c.create(count=3, backend="noop")
+    assert Counter(sb.node for sb in more) == {"e1": 1, "e2": 1, "e3": 1}
+    await until(lambda: _loads(c, {"e1": 11, "e2": 11, "e3": 11}))
+    await c.destroy(sbs + more)
+    assert sum(len(e.sandboxes) for e in platform.edges.values()) == 0
+    await c.close()
+
+
+async def _loads(c, want):
+    return {n.node: n.load.sandboxes for n in await c.nodes()} == want
+
+
+async def test_big_creates_are_batched_and_all_listed(platform):
+    await platform.add_edge("e1")
+    c = await platform.tenant("alice")
+    seen = []
+    sbs = await c.create(count=1200, backend="noop", batch_size=500,
+                         progress=lambda done, total: seen.append((done, total)))
+    assert len({sb.id for sb in sbs}) == 1200 and len(seen) == 3 and seen[-1] == (1200, 1200)
+    assert len(await c.list()) == 1200
+    assert len(await c.destroy(sbs)) == 1200
+    assert await c.list() == []
+    await c.close()
+
+
+async def test_tenants_see_and_touch_only_their_own(platform):
+    await platform.add_edge("e1")
+    alice = await platform.tenant("alice")
+    bob = await platform.tenant("bob")
+    sbs = await alice.create(count=2, backend="noop", labels={"job": "a"})
+    assert await bob.list() == []
+    with pytest.raises(errors.NotFound):
+        await bob.get(sbs[0].id)
+    assert await bob.destroy(sbs) == []
+    with pytest.raises(errors.NotFound):
+        await bob.exec_many(sbs, "true")
+    assert len(await alice.list(labels={"job": "a"})) == 2
+    assert await alice.list(labels={"job": "b"}) == []
+    for token in ("dsec_wrong", ""):
+        async with dsec.AsyncClient(url=platform.url, token=token or "x") as stranger:
+            if not token:
+                stranger._headers = {}
+            with pytest.raises(errors.Unauthenticated):
+                await stranger.list()
+    await alice.destroy(sbs)
+    await alice.close()
+    await bob.close()
+
+
+async def test_bad_input_gets_typed_errors_and_changes_nothing(platform):
+    await platform.add_edge("e1")
+    c = await platform.tenant("alice")
+    with pytest.raises(errors.UnknownBackend, match="noop"):
+        await c.create(count=1, backend="nope")
+    with pytest.raises(errors.InvalidArgument):
+        await c.create(count=0, backend="noop")
+    with pytest.raises(errors.InvalidArgument, match="ttl_s"):
+        await c.create(count=1, backend="noop", ttl=-5)
+    headers = c._headers
+    for raw in (b"not json", b'{"type": "io.dsec.sandbox.v1.create_request"}',
+                json.dumps({"spec": {"backend": "noop"}, "count": 10**6}).encode(),
+                json.dumps({"spec": {"backend": "noop", "ttl_s": -1}}).encode()):
+        with pytest.raises(errors.InvalidArgument):
+            await bus.request_raw(c._nc, bus.api_subject("create"), raw, timeout=5, headers=headers)
+    with pytest.raises(errors.InvalidArgument):
+        await bus.request_raw(c._nc, bus.api_subject("exec"),
+                              json.dumps({"sandbox_ids": ["sb-0123456789abcdef"], "command": "x",
+                                          "timeout_s": -3}).encode(), timeout=5, headers=headers)
+    sbs = await c.create(count=1, backend="noop")
+    with pytest.raises(errors.Unsupported):
+        await sbs[0].exec("true")
+    with pytest.raises(errors.Unsupported):
+        await sbs[0].read_file("/etc/hostname")
+    assert [sb.id for sb in await c.list()] == [sbs[0].id]
+    await c.destroy(sbs)
+    await c.close()
+
+
+class Flaky(Backend):
+    """Fails the n-th create with a non-retryable error."""
+
+    name = "noop"
+    capabilities = Capabilities(exec=False, files=False, max_sandboxes=1000)
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.made = 0
+        self.ids: set[str] = set()
+
+    async def create(self, sandbox: EdgeSandbox) -> SandboxStatus:
+        self.made += 1
+        if self.made == self.fail_at:
+            raise errors.InvalidArgument("this node cannot make that sandbox")
+        self.ids.add(sandbox.id)
+        return SandboxStatus(sandbox_id=sandbox.id, state="ready")
+
+    async def destroy(self, ref: SandboxRef) -> None:
+        self.ids.discard(ref.sandbox_id)
+
+    async def status(self, ref: SandboxRef) -> SandboxStatus:
+        return SandboxStatus(sandbox_id=ref.sandbox_id, state="ready")
+
+    async def list_sandboxes(self) -> list[str]:
+        return sorted(self.ids)
+
+
+async def test_a_failed_create_leaves_nothing_behind(platform):
+    flaky = Flaky(fail_at=7)
+    await platform.add_edge("e1", backends={"noop": flaky})
+    c = await platform.tenant("alice")
+    with pytest.raises(errors.InvalidArgument, match="cannot make"):
+        await c.create(count=10, backend="noop")
+    assert flaky.ids == set() and await c.list() == []
+    state = platform.apis[0].state
+    assert await state.scan_sandboxes() == {}
+    with pytest.raises(errors.CapacityExceeded) as exc:
+        await c.create(count=5000, backend="noop")
+    assert exc.value.retryable and flaky.ids == set()
+    await c.close()
+
+
+async def test_ttl_destroys_expired_sandboxes(platform):
+    await platform.add_edge("e1")
+    c = await platform.tenant("alice")
+    short = await c.create(count=3, backend="noop", ttl=0.5)
+    long = await c.create(count=1, backend="noop", ttl=600)
+    assert short[0].info.expires_at < long[0].info.expires_at
+    await until(lambda: _ids(c, {long[0].id}), timeout=10)
+    assert set(platform.edges["e1"].sandboxes) == {long[0].id}
+    await c.destroy(long)
+    await c.close()
+
+
+async def _ids(c, want):
+    return {sb.id for sb in await c.list()} == want
+
+
+async def test_two_apiservers_share_the_work_and_survive_one_stopping(platform):
+    await platform.add_apiserver()
+    await platform.add_edge("e1")
+    c = await platform.tenant("alice")
+    sbs = await asyncio.gather(*(c.create(count=5, backend="noop") for _ in range(20)))
+    assert sum(len(s) for s in sbs) == 100
+    await platform.apis.pop(0).stop()
+    assert len(await c.list()) == 100
+    await c.destroy([sb for s in sbs for sb in s])
+    await c.close()
+
+
+async def test_apiserver_restart_loses_nothing(platform):
+    await platform.add_edge("e1")
+    c = await platform.tenant("alice")
+    sbs = await c.create(count=25, backend="noop", ttl=600)
+    await platform.apis.pop().stop()
+    with pytest.raises(errors.Unavailable):
+        await c.list()
+    await platform.add_apiserver()
+    assert {sb.id for sb in await c.list()} == {sb.id for sb in sbs}
+    assert (await c.get(sbs[0].id)).info.expires_at == pytest.approx(sbs[0].info.expires_at)
+    await c.destroy(sbs)
+    await c.close()
+
+
+async def test_a_silent_node_is_marked_down_and_its_sandboxes_lost(platform):
+    await platform.add_edge("e1")
+    await platform.add_edge("e2")
+    c = await platform.tenant("alice")
+    sbs = await c.create(count=10, backend="noop")
+    on_e2 = [sb for sb in sbs if sb.node == "e2"]
+    await platform.stop_edge("e2")
+    nodes = await until(lambda: _down(c, "e2"), timeout=NODE_TIMEOUT + 5)
+    assert nodes
+    lost = await c.get(on_e2[0].id)
+    assert lost.info.state == "lost"
+    with pytest.raises(errors.SandboxLost):
+        await c.exec_many([lost], "true")
+    fresh = await c.create(count=4, backend="noop")
+    assert {sb.node for sb in fresh} == {"e1"}
+    destroyed = await c.destroy(sbs + fresh)
+    assert len(destroyed) == 14 and await c.list() == []
+    await c.close()
+
+
+async def _down(c, node):
+    return any(n.node == node and n.state == "down" for n in await c.nodes())
+
+
+async def test_edge_reconciles_with_cluster_state(platform):
+    edge = await platform.add_edge("e1")
+    c = await platform.tenant("alice")
+    kept = await c.create(count=3, backend="noop")
+    noop = edge.backends["noop"]
+    orphan = EdgeSandbox(id="sb-00000000000000aa", tenant="x", spec=SandboxSpec(backend="noop"),
+                         created_at=time.time())
+    await noop.create(orphan)  # on the node, unknown to the cluster
+    await noop.destroy(SandboxRef(sandbox_id=kept[0].id))  # known to the cluster, gone from the node
+    await edge.reconcile()
+    assert orphan.id not in await noop.list_sandboxes()
+    assert (await c.get(kept[0].id)).info.state == "lost"
+    assert (await c.get(kept[1].id)).info.state == "ready"
+    await platform.stop_edge("e1")
+    restarted = await platform.add_edge("e1")  # a fresh noop backend holds nothing
+    assert restarted.sandboxes == {}
+    assert {sb.info.state for sb in await c.list()} == {"lost"}
+    await c.destroy(kept)
+    await c.close()

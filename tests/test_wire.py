@@ -1,0 +1,69 @@
+"""Wire messages: versioned types, one error shape, schemas checked in."""
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+import dsec_kernel
+from dsec_kernel import errors, wire
+from dsec_kernel.cli import main
+
+SCHEMAS = Path(dsec_kernel.__file__).parent / "schemas"
+
+
+def test_every_message_has_a_versioned_type():
+    names = [wire.type_name(m) for m in wire.MESSAGES]
+    assert len(set(names)) == len(names)
+    for name in names:
+        parts = name.split(".")
+        assert parts[:2] == ["io", "dsec"] and parts[3] == "v1" and len(parts) == 5, name
+
+
+def test_parse_picks_the_model_by_type():
+    req = wire.ExecRequest(sandbox_ids=["sb-0123456789abcdef"], command=["true"], stdin=b"\0\1")
+    back = wire.parse(req.model_dump_json())
+    assert isinstance(back, wire.ExecRequest) and back.stdin == b"\0\1"
+    err = wire.parse(errors.NotFound("gone").to_wire().model_dump_json())
+    assert isinstance(err, wire.Error) and err.code == "not_found"
+
+
+def test_unknown_fields_are_ignored_for_add_only_evolution():
+    data = json.loads(wire.StatusRequest(id="sb-0123456789abcdef").model_dump_json())
+    data["added_in_a_later_v1"] = {"x": 1}
+    assert wire.parse(json.dumps(data)) == wire.StatusRequest(id="sb-0123456789abcdef")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(sandbox_ids=["sb-0123456789abcdef"], command="true", timeout_s=-1),
+        dict(sandbox_ids=["sb-0123456789abcdef"], command="true", timeout_s=10**9),
+        dict(sandbox_ids=["not-an-id"], command="true"),
+        dict(sandbox_ids=[], command="true"),
+        dict(sandbox_ids=["sb-0123456789abcdef"], command=[]),
+        dict(sandbox_ids=["sb-0123456789abcdef"], command="a\0b"),
+        dict(sandbox_ids=["sb-0123456789abcdef"], command="true", env={"A=B": "x"}),
+        dict(sandbox_ids=["sb-0123456789abcdef"], command="true", max_output_bytes=1 << 40),
+    ],
+)
+def test_bad_exec_requests_are_refused(bad):
+    with pytest.raises(ValidationError):
+        wire.ExecRequest(**bad)
+
+
+def test_error_codes_map_to_classes():
+    for cls in (errors.NotFound, errors.CapacityExceeded, errors.UnknownBackend, errors.SandboxLost):
+        e = cls("x")
+        w = e.to_wire()
+        assert errors.error_class(w.code) is cls and w.retryable == e.retryable
+    assert errors.CapacityExceeded("x").retryable and not errors.NotFound("x").retryable
+    assert errors.error_class("code-from-the-future") is errors.Internal
+
+
+def test_committed_schemas_match_the_models(tmp_path):
+    assert main(["schema", "--out", str(tmp_path)]) == 0
+    fresh = {p.name: p.read_text() for p in tmp_path.glob("*.json")}
+    committed = {p.name: p.read_text() for p in SCHEMAS.glob("*.json")}
+    assert fresh == committed, "schemas changed: run `dsec schema --out dsec_kernel/schemas`"
