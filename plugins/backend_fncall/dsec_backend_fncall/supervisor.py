@@ -316,18 +316,35 @@ class Agent(AgentServicer):
         if request.sandbox and not (self.files_root / request.sandbox / "files").is_dir():
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no sandbox {request.sandbox}")
         async with self.slots:
-            try:
-                worker = await self.pool.take()
-            except RuntimeError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            worker = await self._hand_over(spec, context)
             self.running[worker.wid] = _Call(request.sandbox, request.exec_id, worker)
             try:
-                async for event in _run(worker, spec, request.stdin, request.timeout_s,
+                async for event in _run(worker, request.stdin, request.timeout_s,
                                         request.max_output_bytes):
                     yield event
             finally:
                 self.running.pop(worker.wid, None)
                 self.pool.release()
+
+    async def _hand_over(self, spec: dict, context: grpc.aio.ServicerContext) -> Worker:
+        """A worker that has accepted the call. One that died in the pool (its zygote was
+        killed, say) is dropped and the next one tried."""
+        frame = json.dumps(spec).encode()
+        frame = len(frame).to_bytes(8, "little") + frame
+        for _attempt in range(3):
+            try:
+                worker = await self.pool.take()
+            except RuntimeError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            try:
+                worker.ctrl.setblocking(False)
+                await asyncio.get_running_loop().sock_sendall(worker.ctrl, frame)
+                return worker
+            except OSError:
+                worker.kill()
+                worker.close()
+                self.pool.release()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker accepted the call; retry")
 
     async def Signal(self, request: pb.SignalRequest, context) -> pb.SignalResponse:  # noqa: N802
         delivered = 0
@@ -411,8 +428,8 @@ class Agent(AgentServicer):
         return pb.WriteFileResponse(size=len(request.data))
 
 
-async def _run(worker: Worker, spec: dict, stdin: bytes, timeout: float, cap: int):
-    """Give ``worker`` its call and stream ExecEvents until it has exited."""
+async def _run(worker: Worker, stdin: bytes, timeout: float, cap: int):
+    """Stream the ExecEvents of the call ``worker`` has accepted, until it has exited."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, bytes | None]] = asyncio.Queue()
     kept = {"stdout": 0, "stderr": 0}
@@ -444,9 +461,6 @@ async def _run(worker: Worker, spec: dict, stdin: bytes, timeout: float, cap: in
     started = time.monotonic()
     timer = loop.call_later(timeout, on_timeout)
     try:
-        frame = json.dumps(spec).encode()
-        worker.ctrl.setblocking(False)
-        await loop.sock_sendall(worker.ctrl, len(frame).to_bytes(8, "little") + frame)
         open_streams = 2
         while open_streams:
             name, data = await queue.get()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Install DSec on a fresh Debian 12 machine: the system packages its plugins need, then the
+# kernel and every in-repo plugin (editable, with the test tools). Idempotent; a second run
+# with nothing changed takes about a second. PYTHON picks the interpreter (default python3).
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+
+apt_packages=(libseccomp2 iproute2 procps)
+missing=()
+for p in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  echo "install: apt-get install ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"
+fi
+
+plugins=(plugins/*/)
+stamp=.install-stamp
+want=$(cat install.sh pyproject.toml "${plugins[@]/%/pyproject.toml}" | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+   && "$PY" -c "import dsec_kernel.cli, dsec_backend_fncall.backend, pytest" 2>/dev/null \
+   && command -v dsec >/dev/null; then
+  echo "install: up to date"
+  exit 0
+fi
+args=(-e ".[test,fast]")
+for p in "${plugins[@]}"; do args+=(-e "$p"); done
+echo "install: pip install ${args[*]}"
+"$PY" -m pip install -q --disable-pip-version-check --root-user-action=ignore "${args[@]}"
+command -v pyenv >/dev/null && pyenv rehash || true
+echo "$want" > "$stamp"
+echo "install: done ($("$PY" -m dsec_kernel.cli --version))"
