@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.register_assert_rewrite("dsec_kernel.conformance")
-
 from dsec_kernel.cluster import LocalCluster
 from dsec_kernel.natsserver import NatsServer
+
+pytest.register_assert_rewrite("dsec_kernel.conformance")  # before any test imports it
 
 _OURS = ("nats-server", "dsec_kernel.cli", "dsec_backend_fncall", "dsec up")
 
@@ -27,7 +27,12 @@ def our_processes() -> dict[int, str]:
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmd = (
+                Path(f"/proc/{pid}/cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
         except OSError:
             continue
         if any(s in cmd for s in _OURS):

@@ -40,8 +40,12 @@ async def kv_baseline(url: str, n: int) -> float:
     nc = await bus.connect(url, name="bench-kv")
     state = await ClusterState.open(nc)
     now = time.time()
-    infos = [SandboxInfo(id=f"sb-{i:016x}", tenant="bench", backend="noop", node="sim000",
-                         created_at=now) for i in range(n)]
+    infos = [
+        SandboxInfo(
+            id=f"sb-{i:016x}", tenant="bench", backend="noop", node="sim000", created_at=now
+        )
+        for i in range(n)
+    ]
     t = time.perf_counter()
     for i in range(0, n, 500):
         await state.put_sandboxes(infos[i : i + 500])
@@ -70,12 +74,13 @@ async def run(url: str, token: str, n: int, batch: int, procs: dict[str, int]) -
         destroy_s = time.perf_counter() - t
     rate = n / create_s
     floor = await kv_baseline(url, n)
-    print(f"created {n} sandboxes on {len(nodes)} nodes in {create_s:.2f}s: {rate:,.0f} creates/s "
-          f"(target 5,000: {'met' if rate >= 5000 else 'NOT met'})")
+    print(
+        f"created {n} sandboxes on {len(nodes)} nodes in {create_s:.2f}s: {rate:,.0f} creates/s "
+        f"(target 5,000: {'met' if rate >= 5000 else 'NOT met'})"
+    )
     print(f"destroyed them in {destroy_s:.2f}s: {n / destroy_s:,.0f}/s")
     print(f"single-sandbox create: p50 {statistics.median(lat) * 1e3:.2f} ms")
-    print(f"baseline, bare KV puts of the same records: {floor:,.0f}/s; "
-          f"ratio {rate / floor:.2f}")
+    print(f"baseline, bare KV puts of the same records: {floor:,.0f}/s; ratio {rate / floor:.2f}")
     print("CPU per created sandbox, by process:")
     for name in procs:
         print(f"  {name:<12} {(after[name] - before[name]) / n * 1e6:7.1f} us")
@@ -87,18 +92,32 @@ def main() -> None:
     ap.add_argument("--sandboxes", type=int, default=20000)
     ap.add_argument("--batch", type=int, default=500)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="dsec-bench-") as tmp, NatsServer(Path(tmp) / "nats") as nats:
+    with (
+        tempfile.TemporaryDirectory(prefix="dsec-bench-") as tmp,
+        NatsServer(Path(tmp) / "nats") as nats,
+    ):
         env = {**os.environ, "DSEC_NATS_URL": nats.url}
-        api = Child("apiserver", [sys.executable, "-m", "dsec_kernel.cli", "apiserver"],
-                    Path(tmp) / "apiserver.log", env)
-        sim = subprocess.Popen([sys.executable, str(HERE / "sim_edges.py"), nats.url, str(args.edges)],
-                               stdout=subprocess.PIPE, text=True)
+        api = Child(
+            "apiserver",
+            [sys.executable, "-m", "dsec_kernel.cli", "apiserver"],
+            Path(tmp) / "apiserver.log",
+            env,
+        )
+        sim = subprocess.Popen(
+            [sys.executable, str(HERE / "sim_edges.py"), nats.url, str(args.edges)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert sim.stdout.readline().strip() == "ready", "simulated edges did not start"
             conn = asyncio.run(ensure_tenant(nats.url, "bench"))
             asyncio.run(wait_ready(conn, [f"sim{i:03d}" for i in range(args.edges)], [api]))
-            procs = {"apiserver": api.proc.pid, "edges": sim.pid, "nats-server": nats.proc.pid,
-                     "client": os.getpid()}
+            procs = {
+                "apiserver": api.proc.pid,
+                "edges": sim.pid,
+                "nats-server": nats.proc.pid,
+                "client": os.getpid(),
+            }
             asyncio.run(run(nats.url, conn.token, args.sandboxes, args.batch, procs))
         finally:
             sim.terminate()

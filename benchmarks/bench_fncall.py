@@ -42,12 +42,15 @@ def baseline(argv: list[str], calls: int, concurrency: int) -> tuple[list[float]
         lat.append(time.perf_counter() - t)
     t = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(lambda _: subprocess.run(argv, check=True, capture_output=True), range(calls)))
+        list(
+            pool.map(lambda _: subprocess.run(argv, check=True, capture_output=True), range(calls))
+        )
     return lat, calls / (time.perf_counter() - t)
 
 
-async def through_sdk(c: dsec.AsyncClient, code: str, language: str, calls: int,
-                      concurrency: int) -> tuple[list[float], float]:
+async def through_sdk(
+    c: dsec.AsyncClient, code: str, language: str, calls: int, concurrency: int
+) -> tuple[list[float], float]:
     for _ in range(20):  # warm the path
         await c.fncall(code, language=language)
     lat = []
@@ -72,8 +75,10 @@ async def run(cluster: LocalCluster, calls: int, concurrency: int) -> None:
     await cluster.ready()
     conn = cluster.conn
     assert conn is not None
-    print(f"{'case':<18} {'p50 ms':>8} {'p99 ms':>8} {'calls/s':>9}   "
-          f"{'baseline p50':>12} {'calls/s':>8}   p50 ratio  rate ratio")
+    print(
+        f"{'case':<18} {'p50 ms':>8} {'p99 ms':>8} {'calls/s':>9}   "
+        f"{'baseline p50':>12} {'calls/s':>8}   p50 ratio  rate ratio"
+    )
     async with dsec.AsyncClient(url=conn.url, token=conn.token) as c:
         for name, (code, language, argv) in CASES.items():
             lat, rate = await through_sdk(c, code, language, calls, concurrency)
@@ -83,8 +88,10 @@ async def run(cluster: LocalCluster, calls: int, concurrency: int) -> None:
                 f"{pct(blat, 50) * 1e3:12.2f} {brate:8.0f}   "
                 f"{pct(lat, 50) / pct(blat, 50):9.2f}x {rate / brate:10.2f}x"
             )
-            print(f"{'':<18} mean {statistics.mean(lat) * 1e3:.2f} ms over {calls} sequential calls; "
-                  f"throughput with {concurrency} in flight")
+            print(
+                f"{'':<18} mean {statistics.mean(lat) * 1e3:.2f} ms over {calls} sequential calls; "
+                f"throughput with {concurrency} in flight"
+            )
 
 
 def main() -> None:

@@ -28,8 +28,13 @@ async def main(url: str, count: int, prefix: str) -> None:
     edges = []
     with tempfile.TemporaryDirectory(prefix="dsec-sim-") as tmp:
         for i in range(count):
-            s = EdgeSettings(nats_url=url, node=f"{prefix}{i:03d}", state_dir=Path(tmp) / str(i),
-                             backends=["noop"], heartbeat_s=1.0)
+            s = EdgeSettings(
+                nats_url=url,
+                node=f"{prefix}{i:03d}",
+                state_dir=Path(tmp) / str(i),
+                backends=["noop"],
+                heartbeat_s=1.0,
+            )
             backends, _ = load_backends(s)
             edge = Edge(nc, s, backends, hooks)
             await edge.start()

@@ -178,7 +178,9 @@ class ApiServer:
                     with suppress(errors.Conflict):
                         await self.state.cas_sandbox(sb.model_copy(update={"state": "lost"}), srev)
                         lost.append(sid)
-            log.warning("node %s silent for %.1fs: down, %d sandbox(es) lost", name, silent, len(lost))
+            log.warning(
+                "node %s silent for %.1fs: down, %d sandbox(es) lost", name, silent, len(lost)
+            )
             await self.hooks.node_down(down, lost)
 
     async def _nodes(self, req: bus.Request) -> NodesResponse:
@@ -247,8 +249,9 @@ class ApiServer:
         now = time.time()
         expires = now + r.spec.ttl_s if r.spec.ttl_s else None
         todo = [
-            EdgeSandbox(id=new_sandbox_id(), tenant=tenant, spec=r.spec, created_at=now,
-                        expires_at=expires)
+            EdgeSandbox(
+                id=new_sandbox_id(), tenant=tenant, spec=r.spec, created_at=now, expires_at=expires
+            )
             for _ in range(r.count)
         ]
         created: list[SandboxInfo] = []
@@ -427,7 +430,9 @@ class ApiServer:
         async def one(node: str, ids: list[str]) -> None:
             data = r.model_copy(update={"sandbox_ids": ids}).model_dump_json().encode()
             try:
-                resp = ExecResponse.model_validate_json(await self._edge(node, "exec", data, timeout))
+                resp = ExecResponse.model_validate_json(
+                    await self._edge(node, "exec", data, timeout)
+                )
                 results.update((x.sandbox_id, x) for x in resp.results)
             except errors.DsecError as exc:
                 for sid in ids:
@@ -451,7 +456,8 @@ class ApiServer:
             if not serving:
                 raise errors.Unsupported(f"no node serves {r.language!r} fncalls")
             node = min(
-                serving, key=lambda n: self._fncall_inflight[n] + self.views[n].info.load.running_execs
+                serving,
+                key=lambda n: self._fncall_inflight[n] + self.views[n].info.load.running_execs,
             )
         self._fncall_inflight[node] += 1
         try:

@@ -73,7 +73,7 @@ async def connect(url: str, *, name: str, credentials: str | None = None) -> NAT
             user_credentials=credentials,
             pending_size=64 << 20,
         )
-    except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
         raise errors.Unavailable(
             f"cannot reach NATS at {url}: {exc or type(exc).__name__}; "
             "is `dsec up` running, or is --nats-url / DSEC_URL right?"

@@ -37,7 +37,11 @@ class Child:
         self.log = log
         with open(log, "ab") as f:
             self.proc = subprocess.Popen(
-                argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                argv,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
                 preexec_fn=die_with_parent,
             )
 
@@ -108,8 +112,12 @@ async def wait_ready(
                 c.check()
             try:
                 resp = await bus.request(
-                    nc, bus.api_subject("nodes"), NodesRequest(), NodesResponse,
-                    timeout=2, headers={bus.TOKEN_HEADER: conn.token},
+                    nc,
+                    bus.api_subject("nodes"),
+                    NodesRequest(),
+                    NodesResponse,
+                    timeout=2,
+                    headers={bus.TOKEN_HEADER: conn.token},
                 )
                 up = {
                     n.node
@@ -154,8 +162,12 @@ class LocalCluster:
 
     def start_apiserver(self, *args: str) -> Child:
         i = len(self.apiservers)
-        child = Child(f"apiserver-{i}", [*_DSEC, "apiserver", *args],
-                      self.logs / f"apiserver-{i}.log", self.env)
+        child = Child(
+            f"apiserver-{i}",
+            [*_DSEC, "apiserver", *args],
+            self.logs / f"apiserver-{i}.log",
+            self.env,
+        )
         self.apiservers.append(child)
         return child
 

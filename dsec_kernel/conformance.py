@@ -43,7 +43,9 @@ __all__ = ["BackendConformance", "started"]
 
 
 @asynccontextmanager
-async def started(backend: Backend, state_dir: Path, node: str = "conformance") -> AsyncIterator[Backend]:
+async def started(
+    backend: Backend, state_dir: Path, node: str = "conformance"
+) -> AsyncIterator[Backend]:
     """Start ``backend`` with a private state directory; close it afterwards."""
     state_dir.mkdir(parents=True, exist_ok=True)
     await backend.start(BackendContext(node, state_dir, Hooks.load(plugins=[backend])))
@@ -78,8 +80,11 @@ class BackendConformance:
 
     def call(self, sandbox: str, argv: list[str], **kw: object) -> ExecCall:
         return ExecCall(
-            sandbox_id=sandbox, argv=argv, timeout_s=kw.pop("timeout_s", 30.0),
-            max_output_bytes=kw.pop("max_output_bytes", 1 << 20), **kw,  # type: ignore[arg-type]
+            sandbox_id=sandbox,
+            argv=argv,
+            timeout_s=kw.pop("timeout_s", 30.0),
+            max_output_bytes=kw.pop("max_output_bytes", 1 << 20),
+            **kw,  # type: ignore[arg-type]
         )
 
     def need(self, backend: Backend, capability: str) -> None:
@@ -124,7 +129,9 @@ class BackendConformance:
         await asyncio.gather(*(backend.destroy(SandboxRef(sandbox_id=sb.id)) for sb in sbs))
         assert not {sb.id for sb in sbs} & set(await backend.list_sandboxes())
 
-    async def test_undeclared_capabilities_are_unsupported(self, backend: Backend, sandbox: str) -> None:
+    async def test_undeclared_capabilities_are_unsupported(
+        self, backend: Backend, sandbox: str
+    ) -> None:
         caps = backend.capabilities
         ref = SandboxRef(sandbox_id=sandbox)
         checks = {
@@ -145,15 +152,22 @@ class BackendConformance:
 
     async def test_exec_output_and_exit_code(self, backend: Backend, sandbox: str) -> None:
         self.need(backend, "exec")
-        r = await backend.exec(self.call(sandbox, ["/bin/sh", "-c", "echo out; echo err >&2; exit 3"]))
+        r = await backend.exec(
+            self.call(sandbox, ["/bin/sh", "-c", "echo out; echo err >&2; exit 3"])
+        )
         assert (r.stdout, r.stderr, r.exit_code) == (b"out\n", b"err\n", 3)
         assert not r.timed_out and not r.truncated and r.duration_s > 0
 
     async def test_exec_stdin_env_cwd(self, backend: Backend, sandbox: str) -> None:
         self.need(backend, "exec")
         r = await backend.exec(
-            self.call(sandbox, ["/bin/sh", "-c", 'cat; echo "$GREETING"; pwd'], stdin=b"in\n",
-                      env={"GREETING": "hello", "PATH": "/usr/bin:/bin"}, cwd="/tmp")
+            self.call(
+                sandbox,
+                ["/bin/sh", "-c", 'cat; echo "$GREETING"; pwd'],
+                stdin=b"in\n",
+                env={"GREETING": "hello", "PATH": "/usr/bin:/bin"},
+                cwd="/tmp",
+            )
         )
         assert r.stdout == b"in\nhello\n/tmp\n", r
 
@@ -166,7 +180,9 @@ class BackendConformance:
         self.need(backend, "exec")
         t = time.monotonic()
         r = await backend.exec(
-            self.call(sandbox, ["/bin/sh", "-c", "trap '' TERM; sleep 100 & sleep 100"], timeout_s=0.5)
+            self.call(
+                sandbox, ["/bin/sh", "-c", "trap '' TERM; sleep 100 & sleep 100"], timeout_s=0.5
+            )
         )
         assert r.timed_out and r.exit_code == -9
         assert time.monotonic() - t < 0.5 + self.timeout_slack_s
@@ -174,7 +190,9 @@ class BackendConformance:
     async def test_exec_output_is_capped(self, backend: Backend, sandbox: str) -> None:
         self.need(backend, "exec")
         r = await backend.exec(
-            self.call(sandbox, ["/bin/sh", "-c", "head -c 5000000 /dev/zero"], max_output_bytes=1000)
+            self.call(
+                sandbox, ["/bin/sh", "-c", "head -c 5000000 /dev/zero"], max_output_bytes=1000
+            )
         )
         assert r.truncated and len(r.stdout) == 1000 and r.exit_code == 0
 
@@ -194,7 +212,9 @@ class BackendConformance:
 
     # -- files -------------------------------------------------------------------------------
 
-    async def test_files_roundtrip_and_visible_to_exec(self, backend: Backend, sandbox: str) -> None:
+    async def test_files_roundtrip_and_visible_to_exec(
+        self, backend: Backend, sandbox: str
+    ) -> None:
         self.need(backend, "files")
         data = bytes(range(256)) * 100
         w = await backend.write_file(

@@ -135,5 +135,5 @@ _BY_CODE: dict[str, type[DsecError]] = {
 
 
 def error_class(code: str) -> type[DsecError]:
-    """The exception class for a wire error code (``Internal`` for codes this version does not know)."""
+    """The exception class for a wire error code (``Internal`` for codes unknown here)."""
     return _BY_CODE.get(code, Internal)

@@ -1,6 +1,6 @@
 """DSec quickstart: run against `dsec up` (it writes the connection file this reads).
 
-    dsec up -- python examples/quickstart.py
+dsec up -- python examples/quickstart.py
 """
 
 import asyncio
@@ -11,7 +11,10 @@ import dsec_kernel as dsec
 async def main() -> None:
     async with dsec.AsyncClient() as c:
         nodes = await c.nodes()
-        print("nodes:", ", ".join(f"{n.node} ({', '.join(b.name for b in n.backends)})" for n in nodes))
+        print(
+            "nodes:",
+            ", ".join(f"{n.node} ({', '.join(b.name for b in n.backends)})" for n in nodes),
+        )
 
         # a stateless call, no sandbox to manage
         out = await c.fncall("print(6*7)", language="python", timeout=5)
@@ -29,7 +32,9 @@ async def main() -> None:
         print("exec:", r.stdout.decode().strip(), "exit", r.exit_code)
 
         r = await sb.exec("sleep 5", timeout=0.5)
-        print("a command past its timeout:", "timed_out" if r.timed_out else "finished", r.exit_code)
+        print(
+            "a command past its timeout:", "timed_out" if r.timed_out else "finished", r.exit_code
+        )
 
         print("listed:", len(await c.list()), "sandboxes")
         await c.destroy(sbs)

@@ -15,9 +15,17 @@ def test_generated_code_is_current(tmp_path):
     (tmp_path / "dsec_kernel" / "agent").mkdir(parents=True)
     shutil.copy(ROOT / "dsec_kernel/agent/agent.proto", tmp_path / "dsec_kernel/agent/agent.proto")
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--grpc_python_out=.",
-         "dsec_kernel/agent/agent.proto"],
-        cwd=tmp_path, check=True,
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I.",
+            "--python_out=.",
+            "--grpc_python_out=.",
+            "dsec_kernel/agent/agent.proto",
+        ],
+        cwd=tmp_path,
+        check=True,
     )
     for name in ("agent_pb2.py", "agent_pb2_grpc.py"):
         assert (tmp_path / "dsec_kernel/agent" / name).read_text() == (

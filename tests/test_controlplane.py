@@ -46,15 +46,23 @@ class Platform:
 
     async def add_apiserver(self) -> ApiServer:
         hooks = Hooks.load(guards=[])
-        settings = ApiSettings(nats_url=self.url, node_timeout_s=NODE_TIMEOUT, heartbeat_s=HEARTBEAT)
+        settings = ApiSettings(
+            nats_url=self.url, node_timeout_s=NODE_TIMEOUT, heartbeat_s=HEARTBEAT
+        )
         api = ApiServer(await self._nc("api"), settings, hooks, LeastLoaded(hooks))
         await api.start()
         self.apis.append(api)
         return api
 
     async def add_edge(self, node: str, backends: dict[str, Backend] | None = None, **cfg) -> Edge:
-        settings = EdgeSettings(nats_url=self.url, node=node, state_dir=self.tmp / node,
-                                backends=["noop"], heartbeat_s=HEARTBEAT, **cfg)
+        settings = EdgeSettings(
+            nats_url=self.url,
+            node=node,
+            state_dir=self.tmp / node,
+            backends=["noop"],
+            heartbeat_s=HEARTBEAT,
+            **cfg,
+        )
         if backends is None:
             backends, _ = load_backends(settings)
         edge = Edge(await self._nc(node), settings, backends, Hooks.load(guards=[]))
@@ -121,8 +129,12 @@ async def test_big_creates_are_batched_and_all_listed(platform):
     await platform.add_edge("e1")
     c = await platform.tenant("alice")
     seen = []
-    sbs = await c.create(count=1200, backend="noop", batch_size=500,
-                         progress=lambda done, total: seen.append((done, total)))
+    sbs = await c.create(
+        count=1200,
+        backend="noop",
+        batch_size=500,
+        progress=lambda done, total: seen.append((done, total)),
+    )
     assert len({sb.id for sb in sbs}) == 1200 and len(seen) == 3 and seen[-1] == (1200, 1200)
     assert len(await c.list()) == 1200
     assert len(await c.destroy(sbs)) == 1200
@@ -164,15 +176,24 @@ async def test_bad_input_gets_typed_errors_and_changes_nothing(platform):
     with pytest.raises(errors.InvalidArgument, match="ttl_s"):
         await c.create(count=1, backend="noop", ttl=-5)
     headers = c._headers
-    for raw in (b"not json", b'{"type": "io.dsec.sandbox.v1.create_request"}',
-                json.dumps({"spec": {"backend": "noop"}, "count": 10**6}).encode(),
-                json.dumps({"spec": {"backend": "noop", "ttl_s": -1}}).encode()):
+    for raw in (
+        b"not json",
+        b'{"type": "io.dsec.sandbox.v1.create_request"}',
+        json.dumps({"spec": {"backend": "noop"}, "count": 10**6}).encode(),
+        json.dumps({"spec": {"backend": "noop", "ttl_s": -1}}).encode(),
+    ):
         with pytest.raises(errors.InvalidArgument):
             await bus.request_raw(c._nc, bus.api_subject("create"), raw, timeout=5, headers=headers)
     with pytest.raises(errors.InvalidArgument):
-        await bus.request_raw(c._nc, bus.api_subject("exec"),
-                              json.dumps({"sandbox_ids": ["sb-0123456789abcdef"], "command": "x",
-                                          "timeout_s": -3}).encode(), timeout=5, headers=headers)
+        await bus.request_raw(
+            c._nc,
+            bus.api_subject("exec"),
+            json.dumps(
+                {"sandbox_ids": ["sb-0123456789abcdef"], "command": "x", "timeout_s": -3}
+            ).encode(),
+            timeout=5,
+            headers=headers,
+        )
     sbs = await c.create(count=1, backend="noop")
     with pytest.raises(errors.Unsupported):
         await sbs[0].exec("true")
@@ -298,10 +319,16 @@ async def test_edge_reconciles_with_cluster_state(platform):
     c = await platform.tenant("alice")
     kept = await c.create(count=3, backend="noop")
     noop = edge.backends["noop"]
-    orphan = EdgeSandbox(id="sb-00000000000000aa", tenant="x", spec=SandboxSpec(backend="noop"),
-                         created_at=time.time())
+    orphan = EdgeSandbox(
+        id="sb-00000000000000aa",
+        tenant="x",
+        spec=SandboxSpec(backend="noop"),
+        created_at=time.time(),
+    )
     await noop.create(orphan)  # on the node, unknown to the cluster
-    await noop.destroy(SandboxRef(sandbox_id=kept[0].id))  # known to the cluster, gone from the node
+    await noop.destroy(
+        SandboxRef(sandbox_id=kept[0].id)
+    )  # known to the cluster, gone from the node
     await edge.reconcile()
     assert orphan.id not in await noop.list_sandboxes()
     assert (await c.get(kept[0].id)).info.state == "lost"

@@ -11,11 +11,15 @@ from dsec_kernel.wire import BackendInfo, Capabilities, NodeInfo, NodeLoad, Sand
 
 
 def node(name, cap=100, used=0, state="up", backend="noop"):
-    return NodeView(NodeInfo(
-        node=name, edge_id=name, state=state,
-        backends=[BackendInfo(name=backend, capabilities=Capabilities(max_sandboxes=cap))],
-        load=NodeLoad(sandboxes=used, by_backend={backend: used}),
-    ))
+    return NodeView(
+        NodeInfo(
+            node=name,
+            edge_id=name,
+            state=state,
+            backends=[BackendInfo(name=backend, capabilities=Capabilities(max_sandboxes=cap))],
+            load=NodeLoad(sandboxes=used, by_backend={backend: used}),
+        )
+    )
 
 
 def request(count, backend="noop"):
@@ -26,14 +30,20 @@ def test_spreads_evenly_and_fills_by_ratio():
     policy = LeastLoaded(Hooks.load(guards=[]))
     placed = Counter(policy.place(request(30), [node("a"), node("b"), node("c")]))
     assert placed == {"a": 10, "b": 10, "c": 10}
-    placed = Counter(policy.place(request(30), [node("big", cap=200, used=0), node("small", cap=50, used=25)]))
+    placed = Counter(
+        policy.place(request(30), [node("big", cap=200, used=0), node("small", cap=50, used=25)])
+    )
     assert placed["big"] > placed["small"]
 
 
 def test_skips_down_full_and_other_backend_nodes():
     policy = LeastLoaded(Hooks.load(guards=[]))
-    nodes = [node("down", state="down"), node("full", cap=5, used=5), node("other", backend="x"),
-             node("ok", cap=3)]
+    nodes = [
+        node("down", state="down"),
+        node("full", cap=5, used=5),
+        node("other", backend="x"),
+        node("ok", cap=3),
+    ]
     assert policy.place(request(3), nodes) == ["ok"] * 3
     with pytest.raises(errors.CapacityExceeded) as exc:
         policy.place(request(4), nodes)

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from dsec_backend_fncall.backend import FncallBackend
 
 import dsec_kernel as dsec
-from dsec_backend_fncall.backend import FncallBackend
 from dsec_kernel import errors
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,8 +56,13 @@ async def test_sdk_end_to_end(cluster):
         sb = sbs[0]
         await sb.write_file("/tmp/a.txt", b"data")
         assert await sb.read_file("/tmp/a.txt") == b"data"
-        r = await sb.exec(["python3", "-c", "print(open('/tmp/a.txt').read())"], timeout=10,
-                          env={"PATH": "/usr/bin:/bin"}, cwd="/tmp", stdin=b"")
+        r = await sb.exec(
+            ["python3", "-c", "print(open('/tmp/a.txt').read())"],
+            timeout=10,
+            env={"PATH": "/usr/bin:/bin"},
+            cwd="/tmp",
+            stdin=b"",
+        )
         assert (r.stdout, r.exit_code, r.timed_out, r.truncated) == (b"data\n", 0, False, False)
         assert r.duration_s > 0
         out = await c.fncall("print(6*7)", language="python", timeout=5)
@@ -148,12 +153,21 @@ async def test_edge_restart_keeps_fncall_sandboxes(cluster):
 def test_cli(cluster, tmp_path):
     cluster.start_edge("n1", ["fncall"])
     asyncio.run(cluster.ready())
-    env = {**os.environ, "DSEC_URL": cluster.conn.url, "DSEC_TOKEN": cluster.conn.token,
-           "COLUMNS": "200"}
+    env = {
+        **os.environ,
+        "DSEC_URL": cluster.conn.url,
+        "DSEC_TOKEN": cluster.conn.token,
+        "COLUMNS": "200",
+    }
 
     def dsec_cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "dsec_kernel.cli", *args], env=env,
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "dsec_kernel.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     made = dsec_cli("create", "--count", "30", "--backend", "fncall")
     assert made.returncode == 0, made.stderr
@@ -174,9 +188,20 @@ def test_cli(cluster, tmp_path):
 
 def test_dsec_up_runs_the_quickstart(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "dsec_kernel.cli", "up", "--state-dir", str(tmp_path / "up"), "--",
-         sys.executable, str(ROOT / "examples" / "quickstart.py")],
-        capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "dsec_kernel.cli",
+            "up",
+            "--state-dir",
+            str(tmp_path / "up"),
+            "--",
+            sys.executable,
+            str(ROOT / "examples" / "quickstart.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "fncall: 42" in proc.stdout and "destroyed; left: 0" in proc.stdout
@@ -188,7 +213,8 @@ def test_dsec_up_runs_the_quickstart(tmp_path):
 def test_dsec_up_stops_cleanly_on_sigterm(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "dsec_kernel.cli", "up", "--state-dir", str(tmp_path / "up")],
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     for line in proc.stderr:
         if "press Ctrl-C" in line:

@@ -58,12 +58,16 @@ def test_edge_backend_selection(fake_dist):
     with pytest.raises(PluginLoadError, match="broken"):
         load_backends(EdgeSettings(node="n", backends=["broken"]))
     with pytest.raises(PluginLoadError, match="configuration is invalid"):
-        load_backends(EdgeSettings(node="n", backends=["noop"],
-                                   backend_config={"noop": {"max_sandboxes": "lots"}}))
+        load_backends(
+            EdgeSettings(
+                node="n", backends=["noop"], backend_config={"noop": {"max_sandboxes": "lots"}}
+            )
+        )
     with pytest.raises(PluginLoadError, match="unknown backend"):
         load_backends(EdgeSettings(node="n", backends=["noop"], backend_config={"nope": {}}))
-    backends, _ = load_backends(EdgeSettings(node="n", backends=["noop"],
-                                             backend_config={"noop": {"max_sandboxes": 7}}))
+    backends, _ = load_backends(
+        EdgeSettings(node="n", backends=["noop"], backend_config={"noop": {"max_sandboxes": 7}})
+    )
     assert backends["noop"].capabilities.max_sandboxes == 7
 
 

@@ -54,7 +54,12 @@ def test_bad_exec_requests_are_refused(bad):
 
 
 def test_error_codes_map_to_classes():
-    for cls in (errors.NotFound, errors.CapacityExceeded, errors.UnknownBackend, errors.SandboxLost):
+    for cls in (
+        errors.NotFound,
+        errors.CapacityExceeded,
+        errors.UnknownBackend,
+        errors.SandboxLost,
+    ):
         e = cls("x")
         w = e.to_wire()
         assert errors.error_class(w.code) is cls and w.retryable == e.retryable

@@ -93,7 +93,9 @@ def _cmd_plugins() -> int:
             elif group == "dsec.backends":
                 reason = info.obj.unavailable_reason()
                 caps = info.obj.capabilities.model_dump(exclude_defaults=True)
-                status = f"[yellow]cannot run here: {reason}[/yellow]" if reason else json.dumps(caps)
+                status = (
+                    f"[yellow]cannot run here: {reason}[/yellow]" if reason else json.dumps(caps)
+                )
             else:
                 status = "ok"
             table.add_row(group, info.name, info.distribution, info.version, status)
@@ -143,7 +145,9 @@ async def _client_cmd(args: argparse.Namespace) -> int:
             with Progress(console=Console(stderr=True), transient=False) as bar:
                 task = bar.add_task(f"creating {args.count} {args.backend}", total=args.count)
                 sbs = await c.create(
-                    args.count, backend=args.backend, ttl=args.ttl,
+                    args.count,
+                    backend=args.backend,
+                    ttl=args.ttl,
                     progress=lambda done, total: bar.update(task, completed=done),
                 )
             print("\n".join(sb.id for sb in sbs))
@@ -156,18 +160,26 @@ async def _client_cmd(args: argparse.Namespace) -> int:
             table = Table("node", "state", "pool", "backends", "sandboxes", "cpu load")
             for n in await c.nodes():
                 table.add_row(
-                    n.node, n.state, n.pool, ",".join(b.name for b in n.backends),
-                    str(n.load.sandboxes), f"{n.load.cpu_load:.2f}",
+                    n.node,
+                    n.state,
+                    n.pool,
+                    ",".join(b.name for b in n.backends),
+                    str(n.load.sandboxes),
+                    f"{n.load.cpu_load:.2f}",
                 )
             console.print(table)
         elif args.cmd == "exec":
             command = args.command[1:] if args.command[:1] == ["--"] else args.command
             if not command:
-                raise errors.InvalidArgument("give the command after the sandbox id: dsec exec ID -- CMD")
+                raise errors.InvalidArgument(
+                    "give the command after the sandbox id: dsec exec ID -- CMD"
+                )
             r = await (await c.get(args.sandbox)).exec(command, timeout=args.timeout)
             return _print_result(r)
         elif args.cmd == "fncall":
-            return _print_result(await c.fncall(args.code, language=args.language, timeout=args.timeout))
+            return _print_result(
+                await c.fncall(args.code, language=args.language, timeout=args.timeout)
+            )
         elif args.cmd == "destroy":
             targets: list[Any] = await c.list() if args.all else args.sandboxes
             done = await c.destroy(targets) if targets else []
@@ -208,14 +220,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "apiserver":
             from dsec_kernel.cli.services import run_apiserver
 
-            run_apiserver(nats_url=args.nats_url, placement=args.placement, node_timeout_s=args.node_timeout_s)
+            run_apiserver(
+                nats_url=args.nats_url, placement=args.placement, node_timeout_s=args.node_timeout_s
+            )
             return 0
         if args.cmd == "edge":
             from dsec_kernel.cli.services import run_edge
 
             run_edge(
-                nats_url=args.nats_url, node=args.node, pool=args.pool, state_dir=args.state_dir,
-                backends=args.backends, heartbeat_s=args.heartbeat_s,
+                nats_url=args.nats_url,
+                node=args.node,
+                pool=args.pool,
+                state_dir=args.state_dir,
+                backends=args.backends,
+                heartbeat_s=args.heartbeat_s,
             )
             return 0
         if args.cmd == "plugins":

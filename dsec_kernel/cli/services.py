@@ -44,7 +44,9 @@ def serve_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> N
 async def _apiserver(settings: ApiSettings, stop: asyncio.Event) -> None:
     hooks = Hooks.load(guards=settings.guards)
     policy_cls = load_drivers("dsec.placement", [settings.placement])[settings.placement].obj
-    nc = await bus.connect(settings.nats_url, name="dsec-apiserver", credentials=settings.nats_credentials)
+    nc = await bus.connect(
+        settings.nats_url, name="dsec-apiserver", credentials=settings.nats_credentials
+    )
     server = ApiServer(nc, settings, hooks, policy_cls(hooks))
     try:
         await server.start()
@@ -60,7 +62,9 @@ async def _edge(settings: EdgeSettings, stop: asyncio.Event) -> None:
     for name, reason in skipped.items():
         log.warning("backend %s skipped: %s", name, reason)
     hooks = Hooks.load(guards=settings.guards)
-    nc = await bus.connect(settings.nats_url, name=f"dsec-edge-{settings.node}", credentials=settings.nats_credentials)
+    nc = await bus.connect(
+        settings.nats_url, name=f"dsec-edge-{settings.node}", credentials=settings.nats_credentials
+    )
     edge = Edge(nc, settings, backends, hooks)
     try:
         await edge.start()

@@ -70,8 +70,12 @@ def up(
             _say(f"other shells: export DSEC_STATE_DIR={state_dir}")
         children = [*cluster.apiservers, *cluster.edges.values()]
         if command:
-            env = {**os.environ, "DSEC_URL": conn.url, "DSEC_TOKEN": conn.token,
-                   "DSEC_STATE_DIR": str(state_dir)}
+            env = {
+                **os.environ,
+                "DSEC_URL": conn.url,
+                "DSEC_TOKEN": conn.token,
+                "DSEC_STATE_DIR": str(state_dir),
+            }
             proc = subprocess.Popen(command, env=env)
             while proc.poll() is None:
                 if stop_requested:

@@ -127,7 +127,9 @@ class Sandbox:
 
     async def status(self) -> SandboxInfo:
         """The sandbox's current record (``state`` is ``ready`` or ``lost``)."""
-        self.info = await self._client._call("status", _model(StatusRequest, id=self.id), SandboxInfo)
+        self.info = await self._client._call(
+            "status", _model(StatusRequest, id=self.id), SandboxInfo
+        )
         return self.info
 
     async def destroy(self) -> None:
@@ -179,9 +181,7 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(
-        self, op: str, msg: Message, reply: type[M], timeout: float | None = None
-    ) -> M:
+    async def _call(self, op: str, msg: Message, reply: type[M], timeout: float | None = None) -> M:
         if self._nc is None:
             raise errors.Unavailable("the client is not connected; use `async with` or connect()")
         return await bus.request(

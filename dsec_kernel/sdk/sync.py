@@ -46,7 +46,9 @@ def _sync(method: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         target = self._sandbox if isinstance(self, SyncSandbox) else self._client
-        coro = method(target, *_to_async(list(args)), **{k: _to_async(v) for k, v in kwargs.items()})
+        coro = method(
+            target, *_to_async(list(args)), **{k: _to_async(v) for k, v in kwargs.items()}
+        )
         return self._wrap(self._loop.run(coro))
 
     return call

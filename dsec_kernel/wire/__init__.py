@@ -77,7 +77,7 @@ MESSAGES: tuple[type[Message], ...] = (
     NodesResponse,
 )
 
-AnyMessage = Annotated[Union[MESSAGES], Field(discriminator="type")]  # type: ignore[valid-type]
+AnyMessage = Annotated[Union[MESSAGES], Field(discriminator="type")]  # type: ignore[valid-type]  # noqa: UP007
 _any = TypeAdapter(AnyMessage)
 
 

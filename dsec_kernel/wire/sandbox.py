@@ -32,6 +32,7 @@ MAX_BATCH = 1000
 #: Longest lifetime a sandbox may ask for (7 days).
 MAX_TTL_S = 7 * 24 * 3600.0
 
+
 class Limits(BaseModel):
     """Resource limits for a sandbox (``None``: the backend's default)."""
 

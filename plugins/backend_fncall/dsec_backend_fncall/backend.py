@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import dsec_backend_fncall
 import dsec_kernel
+from dsec_backend_fncall.seccomp import compile_profile
+from dsec_backend_fncall.supervisor import SupervisorConfig
 from dsec_kernel import errors
 from dsec_kernel.agent import AgentClient
 from dsec_kernel.agent import agent_pb2 as pb
@@ -45,8 +47,6 @@ from dsec_kernel.wire import (
     WriteFileRequest,
     WriteFileResponse,
 )
-from dsec_backend_fncall.seccomp import compile_profile
-from dsec_backend_fncall.supervisor import SupervisorConfig
 
 __all__ = ["FncallBackend", "FncallConfig"]
 
@@ -126,7 +126,10 @@ class FncallBackend(Backend):
         os.chmod(self.root, 0o700)
         self.socket = ctx.state_dir / "agent.sock"
         code_dirs = sorted(
-            {str(Path(m.__file__).resolve().parent.parent) for m in (dsec_kernel, dsec_backend_fncall)}
+            {
+                str(Path(m.__file__).resolve().parent.parent)
+                for m in (dsec_kernel, dsec_backend_fncall)
+            }
         )
         prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
         c = self.config
@@ -156,8 +159,12 @@ class FncallBackend(Backend):
         log_path = self.state_dir / "supervisor.log"
         with open(log_path, "ab") as logf:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dsec_backend_fncall.supervisor",
-                 self.supervisor_config.model_dump_json()],
+                [
+                    sys.executable,
+                    "-m",
+                    "dsec_backend_fncall.supervisor",
+                    self.supervisor_config.model_dump_json(),
+                ],
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -297,6 +304,7 @@ class FncallBackend(Backend):
 
     async def write_file(self, request: WriteFileRequest) -> WriteFileResponse:
         assert self.agent is not None
-        size = await self.agent.write_file(request.sandbox_id, request.path, request.data, request.mode)
+        size = await self.agent.write_file(
+            request.sandbox_id, request.path, request.data, request.mode
+        )
         return WriteFileResponse(size=size)
-

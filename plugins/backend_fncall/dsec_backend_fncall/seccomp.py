@@ -46,7 +46,9 @@ def compile_profile(extra: list[str]) -> bytes:
         try:
             f.add_rule(sc.ERRNO(errno.EPERM), name)
         except OSError:
-            raise ValueError(f"unknown system call {name!r} in the fncall seccomp profile") from None
+            raise ValueError(
+                f"unknown system call {name!r} in the fncall seccomp profile"
+            ) from None
     for flag in _NAMESPACE_FLAGS:
         f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")

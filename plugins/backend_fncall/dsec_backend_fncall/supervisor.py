@@ -27,11 +27,11 @@ from pathlib import Path
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
+from dsec_backend_fncall.zygote import BOOT
 from dsec_kernel.agent import agent_pb2 as pb
 from dsec_kernel.agent.agent_pb2_grpc import AgentServicer, add_AgentServicer_to_server
 from dsec_kernel.procs import die_with_parent
 from dsec_kernel.wire import SANDBOX_ID_PATTERN
-from dsec_backend_fncall.zygote import BOOT
 
 __all__ = ["Pool", "SupervisorConfig", "main"]
 
@@ -83,7 +83,9 @@ class Worker:
     stdout: int
     stderr: int
     pidfd: int
-    exited: asyncio.Future[dict] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    exited: asyncio.Future[dict] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
 
     def kill(self, sig: int = signal.SIGKILL) -> bool:
         try:
@@ -122,9 +124,19 @@ class Pool:
     def start(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         zcfg = {
-            **self.cfg.model_dump(include={"tmp_size_mb", "uid_base", "uid_count", "masks",
-                                           "keep", "bpf_hex", "sys_path", "hostname",
-                                           "loopback"}),
+            **self.cfg.model_dump(
+                include={
+                    "tmp_size_mb",
+                    "uid_base",
+                    "uid_count",
+                    "masks",
+                    "keep",
+                    "bpf_hex",
+                    "sys_path",
+                    "hostname",
+                    "loopback",
+                }
+            ),
             "files_root": self.cfg.files_root,
             "sock_fd": child.fileno(),
             "supervisor_pid": os.getpid(),
@@ -195,8 +207,16 @@ class Pool:
             ctrl, stdin, stdout, stderr, pidfd = fds
             for fd in (stdout, stderr):
                 os.set_blocking(fd, False)
-            w = Worker(msg["wid"], msg["pid"], msg["uid"], socket.socket(fileno=ctrl), stdin,
-                       stdout, stderr, pidfd)
+            w = Worker(
+                msg["wid"],
+                msg["pid"],
+                msg["uid"],
+                socket.socket(fileno=ctrl),
+                stdin,
+                stdout,
+                stderr,
+                pidfd,
+            )
             self.live[w.wid] = w
             while self.waiters:
                 fut = self.waiters.popleft()
@@ -233,7 +253,9 @@ class Pool:
         if self.proc is not None:
             self.proc.wait()
         if not self.closing:
-            log.error("the zygote exited (%s); starting a new one", self.proc and self.proc.returncode)
+            log.error(
+                "the zygote exited (%s); starting a new one", self.proc and self.proc.returncode
+            )
             loop.call_later(0.2, self.start)
 
     async def close(self) -> None:
@@ -274,7 +296,9 @@ class Agent(AgentServicer):
     def _spec(self, req: pb.ExecRequest) -> dict:
         if req.language:
             if req.language not in LANGUAGES:
-                raise ValueError(f"language {req.language!r} is not served; use one of {sorted(LANGUAGES)}")
+                raise ValueError(
+                    f"language {req.language!r} is not served; use one of {sorted(LANGUAGES)}"
+                )
             if not req.code:
                 raise ValueError("no code to run")
             prefix = LANGUAGES[req.language]
@@ -288,7 +312,9 @@ class Agent(AgentServicer):
         if req.cwd and not req.cwd.startswith("/"):
             raise ValueError("cwd must be an absolute path")
         if req.user:
-            raise ValueError("fncall runs every call as its own unprivileged user; `user` is not supported")
+            raise ValueError(
+                "fncall runs every call as its own unprivileged user; `user` is not supported"
+            )
         if req.sandbox and not _SANDBOX.match(req.sandbox):
             raise ValueError(f"bad sandbox id {req.sandbox!r}")
         lim = req.limits
@@ -308,7 +334,7 @@ class Agent(AgentServicer):
             },
         }
 
-    async def Exec(self, request: pb.ExecRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+    async def Exec(self, request: pb.ExecRequest, context: grpc.aio.ServicerContext):
         try:
             spec = self._spec(request)
         except ValueError as exc:
@@ -319,8 +345,9 @@ class Agent(AgentServicer):
             worker = await self._hand_over(spec, context)
             self.running[worker.wid] = _Call(request.sandbox, request.exec_id, worker)
             try:
-                async for event in _run(worker, request.stdin, request.timeout_s,
-                                        request.max_output_bytes):
+                async for event in _run(
+                    worker, request.stdin, request.timeout_s, request.max_output_bytes
+                ):
                     yield event
             finally:
                 self.running.pop(worker.wid, None)
@@ -346,7 +373,7 @@ class Agent(AgentServicer):
                 self.pool.release()
         await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker accepted the call; retry")
 
-    async def Signal(self, request: pb.SignalRequest, context) -> pb.SignalResponse:  # noqa: N802
+    async def Signal(self, request: pb.SignalRequest, context) -> pb.SignalResponse:
         delivered = 0
         for call in list(self.running.values()):
             if (request.exec_id and call.exec_id == request.exec_id) or (
@@ -355,7 +382,7 @@ class Agent(AgentServicer):
                 delivered += call.worker.kill(request.signal or signal.SIGKILL)
         return pb.SignalResponse(delivered=delivered)
 
-    async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:  # noqa: N802
+    async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
         alive = self.pool.proc is not None and self.pool.proc.poll() is None
         return pb.HealthResponse(
             ok=alive, version="1", running=len(self.running), ready=len(self.pool.ready)
@@ -371,11 +398,11 @@ class Agent(AgentServicer):
         norm = os.path.normpath(path)
         if not path.startswith("/") or not norm.startswith("/tmp/") or norm != path.rstrip("/"):
             raise ValueError(
-                f"{path!r}: fncall sandboxes hold files under /tmp only (absolute, normalised paths)"
+                f"{path!r}: fncall sandboxes hold files under /tmp only (absolute, normal paths)"
             )
         return root / norm[len("/tmp/") :]
 
-    async def ReadFile(self, request: pb.ReadFileRequest, context) -> pb.ReadFileResponse:  # noqa: N802
+    async def ReadFile(self, request: pb.ReadFileRequest, context) -> pb.ReadFileResponse:
         try:
             host = self._host_path(request.sandbox, request.path)
             fd = os.open(host, os.O_RDONLY | os.O_NOFOLLOW)
@@ -384,22 +411,26 @@ class Agent(AgentServicer):
         except FileNotFoundError:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"{request.path}: no such file")
         except OSError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.path}: {exc.strerror}")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{request.path}: {exc.strerror}"
+            )
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.path}: not a regular file")
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"{request.path}: not a regular file"
+                )
             if request.max_bytes and st.st_size > request.max_bytes:
                 await context.abort(
                     grpc.StatusCode.OUT_OF_RANGE,
-                    f"{request.path} is {st.st_size} bytes, more than the {request.max_bytes} allowed",
+                    f"{request.path} is {st.st_size} bytes; at most {request.max_bytes} are read",
                 )
             with os.fdopen(os.dup(fd), "rb") as f:
                 return pb.ReadFileResponse(data=f.read())
         finally:
             os.close(fd)
 
-    async def WriteFile(self, request: pb.WriteFileRequest, context) -> pb.WriteFileResponse:  # noqa: N802
+    async def WriteFile(self, request: pb.WriteFileRequest, context) -> pb.WriteFileResponse:
         try:
             host = self._host_path(request.sandbox, request.path)
             root = self.files_root / request.sandbox / "files"
@@ -424,7 +455,9 @@ class Agent(AgentServicer):
         except FileNotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except OSError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.path}: {exc.strerror}")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{request.path}: {exc.strerror}"
+            )
         return pb.WriteFileResponse(size=len(request.data))
 
 
@@ -507,8 +540,11 @@ async def _read_report(ctrl: socket.socket) -> dict | None:
             need = 8 + int.from_bytes(buf, "little")
     try:
         info = json.loads(buf[8:])
-        return {"status": int(info["status"]), "cpu_s": float(info["cpu_s"]),
-                "max_rss": int(info["max_rss"])}
+        return {
+            "status": int(info["status"]),
+            "cpu_s": float(info["cpu_s"]),
+            "max_rss": int(info["max_rss"]),
+        }
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -563,7 +599,9 @@ async def serve(cfg: SupervisorConfig) -> None:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     cfg = SupervisorConfig.model_validate_json(sys.argv[1])
     try:
         import uvloop

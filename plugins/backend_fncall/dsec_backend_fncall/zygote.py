@@ -199,7 +199,10 @@ def _run_argv(argv: list[str], env: dict) -> int:
     signals and reap. Returns its wait status."""
     try:
         pid = os.posix_spawnp(
-            argv[0], argv, env, setsid=True,
+            argv[0],
+            argv,
+            env,
+            setsid=True,
             setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM),
         )
     except OSError as exc:
@@ -216,8 +219,14 @@ def _run_argv(argv: list[str], env: dict) -> int:
         except ProcessLookupError:
             pass
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-                signal.SIGUSR2):
+    for sig in (
+        signal.SIGTERM,
+        signal.SIGINT,
+        signal.SIGHUP,
+        signal.SIGQUIT,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+    ):
         signal.signal(sig, forward)
     while True:
         try:
@@ -265,9 +274,15 @@ def _worker(cfg: dict, uid: int, ctrl: socket.socket, fds: tuple[int, int, int])
         devnull = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
-        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        me, kids = (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN),
+        )
         cpu = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-        send_frame(ctrl, {"status": status, "cpu_s": cpu, "max_rss": max(me.ru_maxrss, kids.ru_maxrss) * 1024})
+        send_frame(
+            ctrl,
+            {"status": status, "cpu_s": cpu, "max_rss": max(me.ru_maxrss, kids.ru_maxrss) * 1024},
+        )
     except BaseException:
         pass
     os._exit(0)
@@ -280,7 +295,9 @@ class Zygote:
     def __init__(self, cfg: dict, sock: socket.socket) -> None:
         self.cfg = cfg
         self.sock = sock
-        self.free_uids = list(range(cfg["uid_base"] + cfg["uid_count"] - 1, cfg["uid_base"] - 1, -1))
+        self.free_uids = list(
+            range(cfg["uid_base"] + cfg["uid_count"] - 1, cfg["uid_base"] - 1, -1)
+        )
         self.workers: dict[int, tuple[int, int]] = {}  # pid -> (wid, uid)
         self.next_wid = 0
         self.pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)

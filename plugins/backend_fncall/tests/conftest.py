@@ -1,5 +1,4 @@
 import pytest
-
 from dsec_backend_fncall.backend import FncallBackend
 
 REASON = FncallBackend.unavailable_reason()

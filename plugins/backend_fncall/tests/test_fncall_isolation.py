@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-
 from dsec_backend_fncall.backend import FncallBackend, FncallConfig
+
 from dsec_kernel import errors, hookimpl
 from dsec_kernel.backend import BackendContext, ExecCall, SandboxRef
 from dsec_kernel.conformance import started
@@ -33,7 +33,9 @@ UID_BASE = 200_000
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def backend(tmp_path_factory):
-    async with started(FncallBackend(FncallConfig(pool_size=4)), tmp_path_factory.mktemp("fn")) as b:
+    async with started(
+        FncallBackend(FncallConfig(pool_size=4)), tmp_path_factory.mktemp("fn")
+    ) as b:
         yield b
 
 
@@ -61,13 +63,18 @@ def processes_of_call_uids() -> list[str]:
 
 
 async def test_every_call_has_its_own_namespaces(backend):
-    r = await py(backend, "import os\nfor n in ('pid','mnt','net','ipc','uts'):\n"
-                          "    print(os.readlink('/proc/self/ns/'+n))\nprint(os.getpid())")
+    r = await py(
+        backend,
+        "import os\nfor n in ('pid','mnt','net','ipc','uts'):\n"
+        "    print(os.readlink('/proc/self/ns/'+n))\nprint(os.getpid())",
+    )
     inside = r.stdout.decode().split()
     host = [os.readlink(f"/proc/self/ns/{n}") for n in ("pid", "mnt", "net", "ipc", "uts")]
     assert inside[-1] == "1"
     assert all(a != b for a, b in zip(inside[:5], host, strict=True)), (inside, host)
-    again = (await py(backend, "import os; print(os.readlink('/proc/self/ns/net'))")).stdout.decode()
+    again = (
+        await py(backend, "import os; print(os.readlink('/proc/self/ns/net'))")
+    ).stdout.decode()
     assert again.strip() != inside[2], "two calls shared a network namespace"
 
 
@@ -77,9 +84,12 @@ async def test_no_network(backend):
     server.listen()
     port = server.getsockname()[1]
     try:
-        r = await py(backend, f"import socket\ns = socket.socket()\ntry:\n"
-                              f"    s.connect(('127.0.0.1', {port}))\n    print('connected')\n"
-                              f"except OSError as e:\n    print(type(e).__name__, e.errno)")
+        r = await py(
+            backend,
+            f"import socket\ns = socket.socket()\ntry:\n"
+            f"    s.connect(('127.0.0.1', {port}))\n    print('connected')\n"
+            f"except OSError as e:\n    print(type(e).__name__, e.errno)",
+        )
         assert b"connected" not in r.stdout, r
         r = await sh(backend, "cat /proc/net/dev | tail -n +3 | cut -d: -f1")
         assert r.stdout.split() == [b"lo"]
@@ -88,7 +98,10 @@ async def test_no_network(backend):
 
 
 async def test_root_is_read_only_and_calls_are_unprivileged(backend, tmp_path):
-    r = await sh(backend, "id -u; id -g; touch /etc/dsec-test 2>&1; touch /usr/x 2>&1; echo ok > /tmp/w && cat /tmp/w")
+    r = await sh(
+        backend,
+        "id -u; id -g; touch /etc/dsec-test 2>&1; touch /usr/x 2>&1; echo ok >/tmp/w; cat /tmp/w",
+    )
     lines = r.stdout.decode().splitlines()
     uid, gid = int(lines[0]), int(lines[1])
     assert UID_BASE <= uid < UID_BASE + 4096 and gid == UID_BASE - 1
@@ -122,16 +135,23 @@ async def test_memory_limit(backend):
 
 
 async def test_file_size_limit(backend):
-    r = await sh(backend, "head -c 5000000 /dev/zero > /tmp/big; echo $?; stat -c %s /tmp/big",
-                 limits=Limits(file_size_mb=1))
+    r = await sh(
+        backend,
+        "head -c 5000000 /dev/zero > /tmp/big; echo $?; stat -c %s /tmp/big",
+        limits=Limits(file_size_mb=1),
+    )
     out = r.stdout.split()
     assert out[0] != b"0" and int(out[-1]) <= 1 << 20, r
 
 
 async def test_fork_bomb_is_contained(backend):
     t = time.monotonic()
-    r = await sh(backend, "bomb() { bomb | bomb & }; bomb; sleep 1; echo survived",
-                 limits=Limits(pids=32), timeout_s=5)
+    r = await sh(
+        backend,
+        "bomb() { bomb | bomb & }; bomb; sleep 1; echo survived",
+        limits=Limits(pids=32),
+        timeout_s=5,
+    )
     assert time.monotonic() - t < 15
     ok = await sh(backend, "echo still serving")
     assert ok.stdout == b"still serving\n"
@@ -165,7 +185,9 @@ async def test_guard_plugins_add_refused_syscalls(tmp_path):
     b = FncallBackend(FncallConfig(pool_size=1))
     await b.start(BackendContext("n", tmp_path, Hooks.load(plugins=[NoUname()])))
     try:
-        r = await py(b, "import os\ntry:\n    os.uname()\nexcept PermissionError:\n    print('refused')")
+        r = await py(
+            b, "import os\ntry:\n    os.uname()\nexcept PermissionError:\n    print('refused')"
+        )
         assert r.stdout == b"refused\n", r
     finally:
         await b.close()
@@ -204,7 +226,9 @@ async def test_python_exit_codes_and_tracebacks(backend):
 
 async def test_files_are_only_under_tmp(backend, tmp_path):
     sid = "sb-00000000000000f1"
-    await backend.create(EdgeSandbox(id=sid, tenant="t", spec=SandboxSpec(backend="fncall"), created_at=0))
+    await backend.create(
+        EdgeSandbox(id=sid, tenant="t", spec=SandboxSpec(backend="fncall"), created_at=0)
+    )
     try:
         for bad in ("/etc/passwd", "/tmp/../etc/x", "/tmp/a/../../b", "/tmp"):
             with pytest.raises(errors.InvalidArgument):
@@ -212,19 +236,31 @@ async def test_files_are_only_under_tmp(backend, tmp_path):
         await backend.write_file(WriteFileRequest(sandbox_id=sid, path="/tmp/d/f", data=b"x"))
         with pytest.raises(errors.InvalidArgument):
             await backend.read_file(ReadFileRequest(sandbox_id=sid, path="/tmp/d"))
-        r = await backend.exec(ExecCall(sandbox_id=sid, argv=["sh", "-c", "echo more >> /tmp/d/f; cat /tmp/d/f"],
-                                        timeout_s=5, max_output_bytes=100))
+        r = await backend.exec(
+            ExecCall(
+                sandbox_id=sid,
+                argv=["sh", "-c", "echo more >> /tmp/d/f; cat /tmp/d/f"],
+                timeout_s=5,
+                max_output_bytes=100,
+            )
+        )
         assert r.stdout == b"x\nmore\n" or r.stdout == b"xmore\n"
-        assert (await backend.read_file(ReadFileRequest(sandbox_id=sid, path="/tmp/d/f"))).data == b"x"
+        assert (
+            await backend.read_file(ReadFileRequest(sandbox_id=sid, path="/tmp/d/f"))
+        ).data == b"x"
     finally:
         await backend.destroy(SandboxRef(sandbox_id=sid))
 
 
 async def test_destroy_stops_running_calls(backend):
     sid = "sb-00000000000000f2"
-    await backend.create(EdgeSandbox(id=sid, tenant="t", spec=SandboxSpec(backend="fncall"), created_at=0))
+    await backend.create(
+        EdgeSandbox(id=sid, tenant="t", spec=SandboxSpec(backend="fncall"), created_at=0)
+    )
     call = asyncio.ensure_future(
-        backend.exec(ExecCall(sandbox_id=sid, argv=["sleep", "60"], timeout_s=60, max_output_bytes=10))
+        backend.exec(
+            ExecCall(sandbox_id=sid, argv=["sleep", "60"], timeout_s=60, max_output_bytes=10)
+        )
     )
     await asyncio.sleep(0.5)
     t = time.monotonic()
@@ -234,7 +270,11 @@ async def test_destroy_stops_running_calls(backend):
 
 
 async def test_supervisor_and_zygote_crashes_are_survived(backend):
-    zygotes = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_child_zygote(int(p), backend.proc.pid)]
+    zygotes = [
+        int(p)
+        for p in os.listdir("/proc")
+        if p.isdigit() and _is_child_zygote(int(p), backend.proc.pid)
+    ]
     assert zygotes, "no zygote found"
     os.kill(zygotes[0], signal.SIGKILL)
     assert await _eventually(backend, "back") == b"back\n"

@@ -2,8 +2,8 @@
 
 import pytest
 import pytest_asyncio
-
 from dsec_backend_noop import NoopBackend, NoopConfig
+
 from dsec_kernel import errors
 from dsec_kernel.backend import SandboxRef
 from dsec_kernel.conformance import BackendConformance, started
@@ -20,7 +20,9 @@ class TestNoopConformance(BackendConformance):
 async def test_capacity_is_enforced(tmp_path):
     async with started(NoopBackend(NoopConfig(max_sandboxes=2)), tmp_path) as b:
         specs = [
-            EdgeSandbox(id=f"sb-{i:016x}", tenant="t", spec=SandboxSpec(backend="noop"), created_at=0)
+            EdgeSandbox(
+                id=f"sb-{i:016x}", tenant="t", spec=SandboxSpec(backend="noop"), created_at=0
+            )
             for i in range(3)
         ]
         await b.create(specs[0])
