@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 from dsec_kernel import bus, errors
 from dsec_kernel.connection import Connection
 from dsec_kernel.natsserver import NatsServer
-from dsec_kernel.procs import die_with_parent
+from dsec_kernel.procs import die_with_parent, stop_process
 from dsec_kernel.state import ClusterState, token_key
 from dsec_kernel.wire import NodeInfo, NodesRequest, NodesResponse
 
@@ -59,13 +58,7 @@ class Child:
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout``. Idempotent."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout)
 
     def kill(self) -> None:
         """SIGKILL, as a crash would."""

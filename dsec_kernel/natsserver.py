@@ -5,14 +5,13 @@ from __future__ import annotations
 import glob
 import json
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from dsec_kernel import errors
-from dsec_kernel.procs import die_with_parent
+from dsec_kernel.procs import die_with_parent, stop_process
 
 __all__ = ["NatsServer", "nats_server_binary"]
 
@@ -106,14 +105,8 @@ class NatsServer:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server (SIGTERM, then SIGKILL). Idempotent."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout)
 
     def __enter__(self) -> NatsServer:
         return self.start()

@@ -132,23 +132,16 @@ class FncallBackend(Backend):
             }
         )
         prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
-        c = self.config
+        shared = ("pool_size", "max_running", "tmp_size_mb", "memory_mb", "processes",
+                  "file_size_mb", "uid_base", "uid_count", "loopback")  # fmt: skip
         self.supervisor_config = SupervisorConfig(
             socket=str(self.socket),
             files_root=str(self.root),
-            pool_size=c.pool_size,
-            max_running=c.max_running,
-            tmp_size_mb=c.tmp_size_mb,
-            memory_mb=c.memory_mb,
-            processes=c.processes,
-            file_size_mb=c.file_size_mb,
-            uid_base=c.uid_base,
-            uid_count=c.uid_count,
-            masks=[*c.mask_paths, str(ctx.state_dir.parent.parent)],
+            masks=[*self.config.mask_paths, str(ctx.state_dir.parent.parent)],
             keep=sorted(prefixes | set(code_dirs)),
             bpf_hex=compile_profile(ctx.hooks.guard_syscalls(self.name)).hex(),
             sys_path=code_dirs,
-            loopback=c.loopback,
+            **self.config.model_dump(include=set(shared)),
         )
         for meta in self.root.glob("*/limits.json"):
             self._limits[meta.parent.name] = Limits.model_validate_json(meta.read_text())
@@ -248,6 +241,11 @@ class FncallBackend(Backend):
 
     # -- calls -------------------------------------------------------------------------------
 
+    def _limits_for(self, sandbox_id: str, given: Limits) -> Limits:
+        """The sandbox's limits, overridden by those a call gives."""
+        own = self._limits.get(sandbox_id, Limits())
+        return own.model_copy(update=given.model_dump(exclude_none=True))
+
     def _pb_limits(self, limits: Limits) -> pb.Limits:
         return pb.Limits(
             memory_bytes=(limits.memory_mb or 0) << 20,
@@ -258,9 +256,7 @@ class FncallBackend(Backend):
     async def exec(self, call: ExecCall) -> ExecResult:
         self._dir(call.sandbox_id)
         assert self.agent is not None
-        limits = self._limits.get(call.sandbox_id, Limits()).model_copy(
-            update=call.limits.model_dump(exclude_none=True)
-        )
+        limits = self._limits_for(call.sandbox_id, call.limits)
         return await self.agent.exec(
             pb.ExecRequest(
                 sandbox=call.sandbox_id,
@@ -281,9 +277,7 @@ class FncallBackend(Backend):
         limits = request.limits
         if request.sandbox_id:
             self._dir(request.sandbox_id)
-            limits = self._limits.get(request.sandbox_id, Limits()).model_copy(
-                update=limits.model_dump(exclude_none=True)
-            )
+            limits = self._limits_for(request.sandbox_id, limits)
         return await self.agent.exec(
             pb.ExecRequest(
                 sandbox=request.sandbox_id or "",
