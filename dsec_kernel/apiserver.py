@@ -44,6 +44,7 @@ from dsec_kernel.wire import (
     SandboxInfo,
     StatusRequest,
     WriteFileRequest,
+    fit_results,
 )
 
 __all__ = ["ApiServer"]
@@ -74,6 +75,7 @@ class ApiServer:
         self._placed: dict[str, deque[tuple[float, str, int]]] = defaultdict(deque)
         self._down: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._fncall_inflight: dict[str, int] = defaultdict(int)
+        self._by_node: dict[str, set[str]] = defaultdict(set)  # node -> sandbox ids
         self._tasks: list[asyncio.Task[None]] = []
         self._drain: Any = None
         self._mirrors: list[Mirror[Any]] = []
@@ -84,11 +86,13 @@ class ApiServer:
         self.state = await ClusterState.open(self.nc, replicas=self.settings.kv_replicas)
         js = self.state.js
         self.nodes = Mirror(js, NODES, NodeInfo.model_validate_json, self._node_changed)
-        self.sandboxes = Mirror(js, SANDBOXES, SandboxInfo.model_validate_json)
+        self.sandboxes = Mirror(js, SANDBOXES, SandboxInfo.model_validate_json, self._indexed)
         self.tenants = Mirror(js, TENANTS, lambda b: json.loads(b)["tenant"])
         for m in (self.nodes, self.sandboxes, self.tenants):
             await m.start()
             self._mirrors.append(m)
+        for sid, (info, _) in self.sandboxes.items.items():
+            self._by_node[info.node].add(sid)
         now = time.monotonic()
         for name, (info, _) in self.nodes.items.items():
             self.views[name] = NodeView(info)
@@ -137,6 +141,16 @@ class ApiServer:
             except Exception:
                 log.exception("%s failed", fn.__name__)
 
+    # -- mirrors -----------------------------------------------------------------------------
+
+    def _indexed(self, sandbox_id: str, info: SandboxInfo | None) -> None:
+        """Keep the node -> sandboxes index in step with the sandboxes mirror."""
+        if info is None:
+            for ids in self._by_node.values():
+                ids.discard(sandbox_id)
+        else:
+            self._by_node[info.node].add(sandbox_id)
+
     # -- nodes -------------------------------------------------------------------------------
 
     def _node_changed(self, name: str, info: NodeInfo | None) -> None:
@@ -149,19 +163,24 @@ class ApiServer:
         if view is None:
             view = self.views[name] = NodeView(info)
         view.info = info
-        if info.state == "up" and self._down[name].is_set():
+        if info.state == "down":
+            self._down[name].set()  # calls waiting on this node fail now
+        elif self._down[name].is_set():
             self._down[name] = asyncio.Event()  # back up: later calls wait on a fresh event
-        placed = self._placed[name]
-        while placed and placed[0][0] < info.heartbeat_at:
+        placed = self._placed[name]  # placements this heartbeat cannot have seen yet stay
+        horizon = time.monotonic() - min(0.25, info.heartbeat_s / 2)
+        while placed and placed[0][0] < horizon:
             placed.popleft()
         view.pending = {}
         for _, backend, n in placed:
             view.pending[backend] = view.pending.get(backend, 0) + n
 
     async def check_nodes(self) -> None:
-        """Mark nodes down whose heartbeats stopped, and report their sandboxes lost."""
+        """Mark nodes down whose heartbeats stopped, and report lost every ready sandbox on a
+        down node (including records written after the node went down)."""
         assert self.state is not None
         now = time.monotonic()
+        newly_down: list[tuple[NodeInfo, float]] = []
         for name, (info, rev) in list(self.nodes.items.items()):
             silent = now - self._seen.get(name, now)
             if info.state != "up" or silent < self.settings.node_timeout_s:
@@ -171,17 +190,28 @@ class ApiServer:
                 await self.state.cas_node(down, rev)
             except errors.Conflict:
                 continue  # it heartbeated meanwhile, or another apiserver took it
-            self._down[name].set()
-            lost = []
-            for sid, (sb, srev) in list(self.sandboxes.items.items()):
-                if sb.node == name and sb.state == "ready":
-                    with suppress(errors.Conflict):
-                        await self.state.cas_sandbox(sb.model_copy(update={"state": "lost"}), srev)
-                        lost.append(sid)
+            newly_down.append((down, silent))
+        down_nodes = {n for n, (info, _) in self.nodes.items.items() if info.state == "down"}
+        down_nodes |= {d.node for d, _ in newly_down}
+        lost: dict[str, list[str]] = defaultdict(list)
+        for node in down_nodes:
+            for sid in list(self._by_node.get(node, ())):
+                hit = self.sandboxes.items.get(sid)
+                if hit is None or hit[0].state != "ready":
+                    continue
+                with suppress(errors.Conflict):
+                    await self.state.cas_sandbox(
+                        hit[0].model_copy(update={"state": "lost"}), hit[1]
+                    )
+                    lost[node].append(sid)
+        for down, silent in newly_down:
             log.warning(
-                "node %s silent for %.1fs: down, %d sandbox(es) lost", name, silent, len(lost)
+                "node %s silent for %.1fs: down, %d sandbox(es) lost",
+                down.node,
+                silent,
+                len(lost[down.node]),
             )
-            await self.hooks.node_down(down, lost)
+            await self.hooks.node_down(down, lost[down.node])
 
     async def _nodes(self, req: bus.Request) -> NodesResponse:
         await self._auth(req)
@@ -276,6 +306,7 @@ class ApiServer:
             raise errors.Unavailable(f"could not record the sandboxes: {exc}") from exc
         for info in created:
             self.sandboxes.items[info.id] = (info, revs[info.id])
+            self._by_node[info.node].add(info.id)
         return CreateResponse(sandboxes=created)
 
     async def _place_and_create(
@@ -287,7 +318,7 @@ class ApiServer:
         groups: dict[str, list[EdgeSandbox]] = defaultdict(list)
         for sb, node in zip(todo, nodes, strict=True):
             groups[node].append(sb)
-        now = time.time()
+        now = time.monotonic()
         for node, items in groups.items():
             self._placed[node].append((now, r.spec.backend, len(items)))
             pending = self.views[node].pending
@@ -375,8 +406,11 @@ class ApiServer:
 
         await asyncio.gather(*(one(n, ids) for n, ids in groups.items()))
         await self.state.delete_sandboxes(done)
-        for sid in done:
-            self.sandboxes.items.pop(sid, None)
+        gone = set(done)
+        for info in infos:
+            if info.id in gone:
+                self.sandboxes.items.pop(info.id, None)
+                self._by_node[info.node].discard(info.id)
         if error is not None:
             raise error
         return done
@@ -439,7 +473,7 @@ class ApiServer:
                     results[sid] = ExecResult(sandbox_id=sid, exit_code=-1, error=exc.to_wire())
 
         await asyncio.gather(*(one(n, ids) for n, ids in groups.items()))
-        return ExecResponse(results=[results[sid] for sid in r.sandbox_ids])
+        return ExecResponse(results=fit_results([results[sid] for sid in r.sandbox_ids]))
 
     async def _fncall(self, req: bus.Request) -> bytes:
         tenant = await self._auth(req)

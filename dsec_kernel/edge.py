@@ -43,6 +43,7 @@ from dsec_kernel.wire import (
     SandboxInfo,
     StatusRequest,
     WriteFileRequest,
+    fit_results,
     shell_argv,
 )
 
@@ -119,6 +120,7 @@ class Edge:
         self.edge_id = uuid.uuid4().hex
         self.sandboxes: dict[str, SandboxInfo] = {}
         self._counts: Counter[str] = Counter()
+        self._born: dict[str, float] = {}  # sandbox id -> when this edge created it (monotonic)
         self._backend_infos = [
             BackendInfo(name=n, version=_plugin_version(b), capabilities=b.capabilities)
             for n, b in backends.items()
@@ -206,6 +208,7 @@ class Edge:
         self.sandboxes[info.id] = info
 
     def _remove(self, sandbox_id: str) -> None:
+        self._born.pop(sandbox_id, None)
         info = self.sandboxes.pop(sandbox_id, None)
         if info is not None:
             self._counts[info.backend] -= 1
@@ -244,7 +247,7 @@ class Edge:
         for name, backend in self.backends.items():
             for sid in await backend.list_sandboxes():
                 present[sid] = name
-        grace = time.time() - 30.0  # a create whose record is still being written
+        young = time.monotonic() - 30.0  # created here so lately its record may still be coming
         for sid, name in present.items():
             rec = records.get(sid)
             if rec is not None and rec[0].state == "ready":
@@ -252,7 +255,7 @@ class Edge:
                     self._add(rec[0])
                 continue
             local = self.sandboxes.get(sid)
-            if rec is None and local is not None and local.created_at > grace:
+            if rec is None and self._born.get(sid, -1.0) > young:
                 continue
             info = rec[0] if rec else local
             log.warning("reconcile: destroying %s (%s)", sid, "lost" if rec else "unknown")
@@ -311,6 +314,7 @@ class Edge:
             labels=sb.spec.labels,
         )
         self._add(info)
+        self._born[sb.id] = time.monotonic()
         await self.hooks.sandbox_created(info)
         return info
 
@@ -336,7 +340,7 @@ class Edge:
     async def _exec(self, req: bus.Request) -> ExecResponse:
         r = ExecRequest.model_validate_json(req.data)
         results = await asyncio.gather(*(self._exec_one(r, sid) for sid in r.sandbox_ids))
-        return ExecResponse(results=list(results))
+        return ExecResponse(results=fit_results(list(results)))
 
     async def _exec_one(self, r: ExecRequest, sandbox_id: str) -> ExecResult:
         try:

@@ -121,6 +121,10 @@ async def test_edge_killed_mid_call(cluster):
         with pytest.raises(errors.Unavailable):
             await asyncio.wait_for(call, 30)
         assert time.monotonic() - t < 10
+        for _ in range(50):  # the node is down; its sandboxes are being reported lost
+            if (await c.get(on_a.id)).info.state == "lost":
+                break
+            await asyncio.sleep(0.1)
         assert (await c.get(on_a.id)).info.state == "lost"
         with pytest.raises(errors.SandboxLost):
             await on_a.exec("true")

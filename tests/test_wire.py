@@ -72,3 +72,17 @@ def test_committed_schemas_match_the_models(tmp_path):
     fresh = {p.name: p.read_text() for p in tmp_path.glob("*.json")}
     committed = {p.name: p.read_text() for p in SCHEMAS.glob("*.json")}
     assert fresh == committed, "schemas changed: run `dsec schema --out dsec_kernel/schemas`"
+
+
+def test_batch_results_are_cut_to_fit_one_message():
+    results = [
+        wire.ExecResult(stdout=b"a" * 100, stderr=b"b" * 10),
+        wire.ExecResult(stdout=b"c" * 5),
+        wire.ExecResult(stdout=b"d" * 60),
+    ]
+    assert wire.fit_results(results, 1000) is results
+    cut = wire.fit_results(results, 100)
+    assert sum(len(r.stdout) + len(r.stderr) for r in cut) <= 100
+    assert [r.truncated for r in cut] == [True, False, True]
+    assert cut[1].stdout == b"c" * 5 and cut[0].stderr == b"b" * 10
+    assert cut[0].stdout == b"a" * len(cut[2].stdout)  # the longest share one length

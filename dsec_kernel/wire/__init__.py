@@ -24,6 +24,7 @@ from dsec_kernel.wire.exec import (
     ReadFileResponse,
     WriteFileRequest,
     WriteFileResponse,
+    fit_results,
     shell_argv,
 )
 from dsec_kernel.wire.node import (
@@ -138,6 +139,7 @@ __all__ = [
     "StatusRequest",
     "WriteFileRequest",
     "WriteFileResponse",
+    "fit_results",
     "json_schemas",
     "parse",
     "shell_argv",

@@ -13,6 +13,7 @@ __all__ = [
     "DEFAULT_MAX_OUTPUT",
     "MAX_FILE_BYTES",
     "MAX_OUTPUT",
+    "MAX_RESPONSE_OUTPUT",
     "MAX_TIMEOUT_S",
     "ExecRequest",
     "ExecResponse",
@@ -22,6 +23,7 @@ __all__ = [
     "ReadFileResponse",
     "WriteFileRequest",
     "WriteFileResponse",
+    "fit_results",
     "shell_argv",
 ]
 
@@ -31,6 +33,8 @@ DEFAULT_MAX_OUTPUT = 1 << 20
 MAX_OUTPUT = 8 << 20
 #: Largest file one read_file / write_file moves.
 MAX_FILE_BYTES = 16 << 20
+#: Most output one ExecResponse carries over all its results (it must fit one NATS message).
+MAX_RESPONSE_OUTPUT = 24 << 20
 
 Timeout = Field(60.0, gt=0, le=MAX_TIMEOUT_S, description="seconds before the command is killed")
 OutputCap = Field(
@@ -39,6 +43,31 @@ OutputCap = Field(
     le=MAX_OUTPUT,
     description="bytes kept per stream; the rest is read and discarded and `truncated` is set",
 )
+
+
+def fit_results(results: list[ExecResult], budget: int = MAX_RESPONSE_OUTPUT) -> list[ExecResult]:
+    """Cut the longest outputs until all results together hold at most ``budget`` bytes.
+
+    Every stream keeps the same share (the longest are cut to one common length); a result
+    that lost bytes is marked ``truncated``.
+    """
+    sizes = sorted(len(s) for r in results for s in (r.stdout, r.stderr))
+    if sum(sizes) <= budget:
+        return results
+    cap, left, n = 0, budget, len(sizes)
+    for i, size in enumerate(sizes):  # the largest common cap the budget allows
+        if size * (n - i) > left:
+            cap = left // (n - i)
+            break
+        left -= size
+    return [
+        r
+        if len(r.stdout) <= cap and len(r.stderr) <= cap
+        else r.model_copy(
+            update={"stdout": r.stdout[:cap], "stderr": r.stderr[:cap], "truncated": True}
+        )
+        for r in results
+    ]
 
 
 def shell_argv(command: str | list[str]) -> list[str]:
@@ -123,7 +152,7 @@ class WriteFileRequest(Message):
     sandbox_id: SandboxId
     path: str = Field(min_length=2, max_length=4096, pattern=r"^/")
     data: bytes = Field(max_length=MAX_FILE_BYTES)
-    mode: int = Field(0o644, ge=0, le=0o7777)
+    mode: int = Field(0o644, ge=0, le=0o777, description="permission bits (no setuid/setgid)")
 
 
 class WriteFileResponse(Message):

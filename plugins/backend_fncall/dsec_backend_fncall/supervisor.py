@@ -184,7 +184,9 @@ class Pool:
             try:
                 w = await fut
             except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled():
+                if fut in self.waiters:
+                    self.waiters.remove(fut)
+                elif fut.done() and not fut.cancelled():
                     self.ready.appendleft(fut.result())
                 raise
         self.busy += 1
@@ -197,6 +199,8 @@ class Pool:
             data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 16, 8)
         except BlockingIOError:
             return
+        except OSError:  # ECONNRESET: it died with our requests unread
+            data, fds = b"", []
         if not data:
             self._zygote_died()
             return
@@ -231,8 +235,14 @@ class Pool:
         elif op == "error":
             self.spawning -= 1
             log.error("zygote: %s", msg["message"])
-            if self.waiters:
-                self.waiters.popleft().set_exception(RuntimeError(msg["message"]))
+            self._fail_waiters(msg["message"], 1)
+
+    def _fail_waiters(self, reason: str, count: int) -> None:
+        while count and self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_exception(RuntimeError(reason))
+                count -= 1
 
     def _zygote_died(self) -> None:
         """Every worker died with it (PDEATHSIG): fail what waits, start a new zygote."""
@@ -248,8 +258,7 @@ class Pool:
         for w in self.ready:
             w.close()
         self.ready.clear()
-        while self.waiters:
-            self.waiters.popleft().set_exception(RuntimeError("the zygote died"))
+        self._fail_waiters("the zygote died", len(self.waiters))
         if self.proc is not None:
             self.proc.wait()
         if not self.closing:
@@ -367,10 +376,12 @@ class Agent(AgentServicer):
                 worker.ctrl.setblocking(False)
                 await asyncio.get_running_loop().sock_sendall(worker.ctrl, frame)
                 return worker
-            except OSError:
+            except BaseException as exc:  # dead in the pool, or this call was cancelled
                 worker.kill()
                 worker.close()
                 self.pool.release()
+                if not isinstance(exc, OSError):
+                    raise
         await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker accepted the call; retry")
 
     async def Signal(self, request: pb.SignalRequest, context) -> pb.SignalResponse:
@@ -446,7 +457,7 @@ class Agent(AgentServicer):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(request.data)
-            mode = request.mode or 0o644
+            mode = (request.mode or 0o644) & 0o777  # never setuid, setgid or sticky
             os.chown(tmp, 0, self.gid)
             os.chmod(tmp, mode | (mode & 0o700) >> 3)  # the sandbox group gets the owner's rights
             os.replace(tmp, host)
@@ -485,8 +496,13 @@ async def _run(worker: Worker, stdin: bytes, timeout: float, cap: int):
             kept[name] += len(data)
             queue.put_nowait((name, data))
 
+    # the worker's own report (sent before it exits) has the program's status; without one
+    # (it was killed, or died), the zygote's wait status of the worker stands
+    report = asyncio.ensure_future(_read_report(worker.ctrl))
+
     def on_timeout() -> None:
-        state["timed_out"] = worker.kill()
+        if not (report.done() and report.result()):  # not a call that has just finished
+            state["timed_out"] = worker.kill()
 
     for fd, name in ((worker.stdout, "stdout"), (worker.stderr, "stderr")):
         loop.add_reader(fd, reader, fd, name)
@@ -501,9 +517,7 @@ async def _run(worker: Worker, stdin: bytes, timeout: float, cap: int):
                 open_streams -= 1
             else:
                 yield pb.ExecEvent(**{name: data})
-        # the worker's own report (sent before it exits) has the program's status; without
-        # one (it was killed, or died), the zygote's wait status of the worker stands
-        info = await _read_report(worker.ctrl) or await worker.exited
+        info = await report or await worker.exited
         duration = time.monotonic() - started
         code = -signal.SIGKILL if state["timed_out"] else os.waitstatus_to_exitcode(info["status"])
         yield pb.ExecEvent(
@@ -519,6 +533,7 @@ async def _run(worker: Worker, stdin: bytes, timeout: float, cap: int):
     finally:
         timer.cancel()
         writer.cancel()
+        report.cancel()
         if not worker.exited.done():
             worker.kill()
         for fd in (worker.stdout, worker.stderr):
@@ -527,7 +542,11 @@ async def _run(worker: Worker, stdin: bytes, timeout: float, cap: int):
 
 
 async def _read_report(ctrl: socket.socket) -> dict | None:
-    """The worker's final frame: its wait status and resource use (None if it died first)."""
+    """The worker's final frame: its wait status and resource use (None if it died first).
+
+    In python mode the call's own code could write it: it can only misreport its own
+    result, and a frame over 4 KiB is ignored.
+    """
     loop = asyncio.get_running_loop()
     buf = bytearray()
     need = 8
@@ -538,6 +557,8 @@ async def _read_report(ctrl: socket.socket) -> dict | None:
         buf += chunk
         if need == 8 and len(buf) == 8:
             need = 8 + int.from_bytes(buf, "little")
+            if need > 4096:
+                return None
     try:
         info = json.loads(buf[8:])
         return {

@@ -95,8 +95,8 @@ def build_view(masks: list[str], keep: list[str], files_root: str) -> None:
     masks = list(dict.fromkeys([*masks, "/run"]))
     keep_fds = {p: os.open(p, os.O_PATH) for p in keep if os.path.exists(p)}
     files_fd = os.open(files_root, os.O_PATH | os.O_DIRECTORY)
-    for mask in masks:
-        if not os.path.isdir(mask) or os.path.islink(mask):
+    for mask in dict.fromkeys(os.path.realpath(m) for m in masks):
+        if not os.path.isdir(mask):
             continue
         linux.mount("tmpfs", mask, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "mode=0755,size=1m")
         for path, fd in keep_fds.items():
@@ -259,8 +259,8 @@ def _worker(cfg: dict, uid: int, ctrl: socket.socket, fds: tuple[int, int, int])
             os._exit(0)
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # spawned idle; runs normal
         _files_overlay(spec.get("sandbox", ""))
-        os.chdir(spec.get("cwd") or "/tmp")
         _drop_privileges(cfg, spec, uid)
+        os.chdir(spec.get("cwd") or "/tmp")  # as the call's uid: its permissions apply
         if spec["mode"] == "python":
             status = _run_python(spec["code"], spec["env"], cfg["stdlib_path"]) << 8
         else:
