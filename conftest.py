@@ -1,4 +1,4 @@
-"""Shared test fixtures: real nats-server, real platform processes, and a leak check.
+"""Shared test fixtures: real platform processes (nats-server, apiservers, edges) and a leak check.
 
 The session ends by checking that the tests left no DSec or nats-server process, no new
 mount and no network namespace behind.
@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from dsec_kernel.cluster import LocalCluster
-from dsec_kernel.natsserver import NatsServer
 
 pytest.register_assert_rewrite("dsec_kernel.conformance")  # before any test imports it
 
@@ -67,13 +66,6 @@ def no_leaks():
     assert not procs, f"processes left behind: {procs}"
     assert not new_mounts, f"mounts left behind: {new_mounts}"
     assert not new_netns, f"network namespaces left behind: {new_netns}"
-
-
-@pytest.fixture(scope="module")
-def nats_url(tmp_path_factory):
-    """A real nats-server with JetStream on a free port, for one test module."""
-    with NatsServer(tmp_path_factory.mktemp("nats")) as server:
-        yield server.url
 
 
 @pytest.fixture

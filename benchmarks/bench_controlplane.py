@@ -55,7 +55,9 @@ async def kv_baseline(url: str, n: int) -> float:
     return rate
 
 
-async def run(url: str, token: str, n: int, batch: int, procs: dict[str, int]) -> None:
+async def run(
+    url: str, service_url: str, token: str, n: int, batch: int, procs: dict[str, int]
+) -> None:
     async with dsec.AsyncClient(url=url, token=token, timeout=120) as c:
         lat = []
         for _ in range(50):
@@ -73,7 +75,7 @@ async def run(url: str, token: str, n: int, batch: int, procs: dict[str, int]) -
         await c.destroy(sbs)
         destroy_s = time.perf_counter() - t
     rate = n / create_s
-    floor = await kv_baseline(url, n)
+    floor = await kv_baseline(service_url, n)
     print(
         f"created {n} sandboxes on {len(nodes)} nodes in {create_s:.2f}s: {rate:,.0f} creates/s "
         f"(target 5,000: {'met' if rate >= 5000 else 'NOT met'})"
@@ -96,7 +98,7 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="dsec-bench-") as tmp,
         NatsServer(Path(tmp) / "nats") as nats,
     ):
-        env = {**os.environ, "DSEC_NATS_URL": nats.url}
+        env = {**os.environ, "DSEC_NATS_URL": nats.service_url}
         api = Child(
             "apiserver",
             [sys.executable, "-m", "dsec_kernel.cli", "apiserver"],
@@ -104,13 +106,13 @@ def main() -> None:
             env,
         )
         sim = subprocess.Popen(
-            [sys.executable, str(HERE / "sim_edges.py"), nats.url, str(args.edges)],
+            [sys.executable, str(HERE / "sim_edges.py"), nats.service_url, str(args.edges)],
             stdout=subprocess.PIPE,
             text=True,
         )
         try:
             assert sim.stdout.readline().strip() == "ready", "simulated edges did not start"
-            conn = asyncio.run(ensure_tenant(nats.url, "bench"))
+            conn = asyncio.run(ensure_tenant(nats.service_url, "bench", client_url=nats.client_url))
             asyncio.run(wait_ready(conn, [f"sim{i:03d}" for i in range(args.edges)], [api]))
             procs = {
                 "apiserver": api.proc.pid,
@@ -118,7 +120,11 @@ def main() -> None:
                 "nats-server": nats.proc.pid,
                 "client": os.getpid(),
             }
-            asyncio.run(run(nats.url, conn.token, args.sandboxes, args.batch, procs))
+            asyncio.run(
+                run(
+                    nats.client_url, nats.service_url, conn.token, args.sandboxes, args.batch, procs
+                )
+            )
         finally:
             sim.terminate()
             sim.wait(30)

@@ -67,9 +67,13 @@ class Child:
             self.proc.wait()
 
 
-async def ensure_tenant(url: str, name: str, reuse_token: str | None = None) -> Connection:
-    """A credential for tenant ``name``: ``reuse_token`` if the cluster still knows it."""
-    nc = await bus.connect(url, name="dsec-admin")
+async def ensure_tenant(
+    admin_url: str, name: str, reuse_token: str | None = None, client_url: str | None = None
+) -> Connection:
+    """A credential for tenant ``name`` (``reuse_token`` if the cluster still knows it),
+    made through ``admin_url``, for clients connecting to ``client_url``."""
+    url = client_url or admin_url
+    nc = await bus.connect(admin_url, name="dsec-admin")
     try:
         state = await ClusterState.open(nc)
         if reuse_token:
@@ -146,12 +150,13 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        return self.nats.url
+        """The service URL (apiservers, edges, operator commands)."""
+        return self.nats.service_url
 
     def start_nats(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.nats.start()
-        self.env["DSEC_NATS_URL"] = self.nats.url
+        self.env["DSEC_NATS_URL"] = self.nats.service_url
 
     def start_apiserver(self, *args: str) -> Child:
         i = len(self.apiservers)
@@ -175,12 +180,12 @@ class LocalCluster:
 
     def tenant(self, name: str = "default") -> Connection:
         """A new credential for tenant ``name``."""
-        return asyncio.run(ensure_tenant(self.url, name))
+        return asyncio.run(ensure_tenant(self.url, name, client_url=self.nats.client_url))
 
     async def ready(self, timeout: float = 60.0) -> list[NodeInfo]:
         """Wait until every started edge is up (a default tenant is created on first use)."""
         if self.conn is None:
-            self.conn = await ensure_tenant(self.url, "default")
+            self.conn = await ensure_tenant(self.url, "default", client_url=self.nats.client_url)
         children = [*self.apiservers, *(c for c in self.edges.values() if c.alive())]
         nodes = [n for n, c in self.edges.items() if c.alive()]
         since = min((self.started[n] for n in nodes), default=0.0)

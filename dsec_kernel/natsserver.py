@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import glob
 import json
+import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from pathlib import Path
 from dsec_kernel import errors
 from dsec_kernel.procs import die_with_parent, stop_process
 
-__all__ = ["NatsServer", "nats_server_binary"]
+__all__ = ["CLIENT_PERMISSIONS", "NatsServer", "nats_server_binary"]
 
 
 def nats_server_binary() -> str:
@@ -29,9 +31,17 @@ def nats_server_binary() -> str:
     return found
 
 
+#: What the client user may do: ask the apiservers, and hear the replies. Not the edges'
+#: subjects, JetStream or KV, which only the service user (apiservers, edges) reaches.
+CLIENT_PERMISSIONS = {"publish": {"allow": ["dsec.api.v1.>"]}, "subscribe": {"allow": ["_INBOX.>"]}}
+
+
 class NatsServer:
     """One nats-server process bound to loopback, JetStream stored under ``store_dir``.
 
+    Two users, with passwords kept in ``store_dir/auth.json`` (0600, reused on restart):
+    ``dsec-service`` for apiservers, edges and operator commands (:attr:`service_url`), and
+    ``dsec-client`` for the SDK and CLI (:attr:`client_url`, :data:`CLIENT_PERMISSIONS`).
     ``port=0`` picks a free port. The process dies with its parent (PR_SET_PDEATHSIG).
     Extra ``config`` lines (NATS config syntax) are appended, e.g. a ``cluster {}`` block.
     """
@@ -53,10 +63,30 @@ class NatsServer:
         self.extra_config = config
         self.max_payload = max_payload
         self.proc: subprocess.Popen[bytes] | None = None
+        self._passwords: dict[str, str] = {}
+
+    def _url(self, user: str) -> str:
+        return f"nats://{user}:{self._passwords[user]}@{self.host}:{self.port}"
 
     @property
-    def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+    def service_url(self) -> str:
+        return self._url("dsec-service")
+
+    @property
+    def client_url(self) -> str:
+        return self._url("dsec-client")
+
+    def _load_passwords(self) -> None:
+        path = self.store_dir / "auth.json"
+        try:
+            self._passwords = json.loads(path.read_text())
+        except (OSError, ValueError):
+            self._passwords = {
+                u: secrets.token_urlsafe(24) for u in ("dsec-service", "dsec-client")
+            }
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._passwords, f)
 
     def start(self, timeout: float = 15.0) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -64,7 +94,18 @@ class NatsServer:
         ports_dir.mkdir(exist_ok=True)
         for stale in ports_dir.glob("*.ports"):
             stale.unlink()
+        self._load_passwords()
+        users = [
+            {"user": "dsec-service", "password": self._passwords["dsec-service"]},
+            {
+                "user": "dsec-client",
+                "password": self._passwords["dsec-client"],
+                "permissions": CLIENT_PERMISSIONS,
+            },
+        ]
         conf = self.store_dir / "nats.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.close(fd)
         conf.write_text(
             f"server_name: {json.dumps(self.name)}\n"
             f"listen: {json.dumps(f'{self.host}:{self.port or -1}')}\n"
@@ -72,6 +113,7 @@ class NatsServer:
             f"max_pending: {max(self.max_payload * 2, 64 << 20)}\n"
             f"ports_file_dir: {json.dumps(str(ports_dir))}\n"
             f"jetstream {{ store_dir: {json.dumps(str(self.store_dir / 'jetstream'))} }}\n"
+            f"authorization {{ users: {json.dumps(users)} }}\n"
             f"{self.extra_config}\n"
         )
         log = open(self.store_dir / "nats-server.log", "ab")  # noqa: SIM115 - owned by the child

@@ -32,8 +32,9 @@ NODE_TIMEOUT = 1.5
 class Platform:
     """apiservers and edges sharing one real nats-server, all in this event loop."""
 
-    def __init__(self, url: str, tmp_path) -> None:
-        self.url = url
+    def __init__(self, server: NatsServer, tmp_path) -> None:
+        self.url = server.service_url
+        self.client_url = server.client_url
         self.tmp = tmp_path
         self.apis: list[ApiServer] = []
         self.edges: dict[str, Edge] = {}
@@ -76,7 +77,7 @@ class Platform:
     async def tenant(self, name: str) -> dsec.AsyncClient:
         state = await ClusterState.open(await self._nc("admin"))
         token = await state.create_tenant(name)
-        return await dsec.AsyncClient(url=self.url, token=token).connect()
+        return await dsec.AsyncClient(url=self.client_url, token=token).connect()
 
     async def close(self) -> None:
         for edge in self.edges.values():
@@ -90,7 +91,7 @@ class Platform:
 @pytest.fixture
 async def platform(tmp_path):
     with NatsServer(tmp_path / "nats") as server:
-        p = Platform(server.url, tmp_path)
+        p = Platform(server, tmp_path)
         await p.add_apiserver()
         yield p
         await p.close()
@@ -156,7 +157,7 @@ async def test_tenants_see_and_touch_only_their_own(platform):
     assert len(await alice.list(labels={"job": "a"})) == 2
     assert await alice.list(labels={"job": "b"}) == []
     for token in ("dsec_wrong", ""):
-        async with dsec.AsyncClient(url=platform.url, token=token or "x") as stranger:
+        async with dsec.AsyncClient(url=platform.client_url, token=token or "x") as stranger:
             if not token:
                 stranger._headers = {}
             with pytest.raises(errors.Unauthenticated):
@@ -338,4 +339,34 @@ async def test_edge_reconciles_with_cluster_state(platform):
     assert restarted.sandboxes == {}
     assert {sb.info.state for sb in await c.list()} == {"lost"}
     await c.destroy(kept)
+    await c.close()
+
+
+async def test_clients_reach_only_the_apiservers(platform):
+    """The client NATS user cannot call edges, read or forge KV records (tenants included)."""
+    import nats
+    import nats.errors
+
+    edge = await platform.add_edge("e1")
+    c = await platform.tenant("alice")
+    [sb] = await c.create(count=1, backend="noop")
+    errors_seen = []
+
+    async def on_error(exc):
+        errors_seen.append(str(exc))
+
+    nc = await nats.connect(platform.client_url, error_cb=on_error)
+    with pytest.raises((errors.DeadlineExceeded, errors.Unavailable)):
+        await bus.request_raw(
+            nc, bus.edge_subject("e1", "destroy"), json.dumps({"ids": [sb.id]}).encode(), timeout=1
+        )
+    with pytest.raises(nats.errors.TimeoutError):  # the JetStream API is not theirs to call
+        await nc.jetstream(timeout=1).key_value("dsec-tenants")
+    await nc.publish("$KV.dsec-tenants.x", b'{"tenant": "alice"}')
+    await nc.flush()
+    await asyncio.sleep(0.2)
+    assert any("permissions violation" in e.lower() for e in errors_seen), errors_seen
+    await nc.close()
+    assert sb.id in edge.sandboxes
+    await c.destroy([sb])
     await c.close()

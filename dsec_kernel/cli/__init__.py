@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("tenant", help="manage tenants (operator; talks to NATS directly)")
     s.add_argument("action", choices=["create"])
     s.add_argument("name")
-    s.add_argument("--nats-url", default=None)
+    s.add_argument("--nats-url", default=None, help="service URL (default: from `dsec up`)")
 
     s = sub.add_parser("create", help="create sandboxes")
     s.add_argument("--count", type=int, default=1)
@@ -119,10 +119,17 @@ def _cmd_schema(out: Path | None) -> int:
 
 async def _cmd_tenant(name: str, url: str | None) -> int:
     from dsec_kernel import bus
-    from dsec_kernel.connection import resolve
+    from dsec_kernel.config import default_state_dir
     from dsec_kernel.state import ClusterState
 
-    url = url or resolve().url
+    if url is None:  # the service URL that `dsec up` wrote next to the connection file
+        path = default_state_dir() / "service.json"
+        try:
+            url = json.loads(path.read_text())["url"]
+        except (OSError, ValueError, KeyError):
+            raise errors.InvalidArgument(
+                f"pass --nats-url (a NATS user that may write KV); {path} is not readable"
+            ) from None
     nc = await bus.connect(url, name="dsec-cli")
     try:
         token = await (await ClusterState.open(nc, create=False)).create_tenant(name)

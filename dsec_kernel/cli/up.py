@@ -19,7 +19,7 @@ from pathlib import Path
 from dsec_kernel import errors
 from dsec_kernel.cluster import LocalCluster, ensure_tenant
 from dsec_kernel.config import default_node_name, default_state_dir
-from dsec_kernel.connection import connection_file, write_connection
+from dsec_kernel.connection import Connection, connection_file, write_connection
 
 __all__ = ["up"]
 
@@ -57,13 +57,16 @@ def up(
     try:
         cluster.start_nats()
         conn_path = connection_file(state_dir)
-        conn = asyncio.run(ensure_tenant(cluster.url, "default", _old_token(conn_path)))
+        conn = asyncio.run(
+            ensure_tenant(cluster.url, "default", _old_token(conn_path), cluster.nats.client_url)
+        )
         cluster.conn = conn
         cluster.start_apiserver()
         cluster.start_edge(node, backends)
-        _say(f"starting on NATS {cluster.url} ...")
+        _say(f"starting on NATS 127.0.0.1:{cluster.nats.port} ...")
         asyncio.run(cluster.ready(ready_timeout))
         write_connection(conn_path, conn)
+        write_connection(state_dir / "service.json", Connection(cluster.url, "", "operator"))
         _say(f"ready: tenant {conn.tenant!r}, node {node!r}; logs in {cluster.logs}")
         _say(f"connection file {conn_path}")
         if state_dir != default_state_dir().resolve():
