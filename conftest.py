@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dsec_kernel.cgroups import v1_controllers
 from dsec_kernel.cluster import LocalCluster
 
 pytest.register_assert_rewrite("dsec_kernel.conformance")  # before any test imports it
@@ -50,22 +51,29 @@ def mounts() -> set[str]:
     return set(Path("/proc/self/mounts").read_text().splitlines())
 
 
+def cgroups() -> set[str]:
+    """DSec's cgroups below this process's own, in every v1 hierarchy."""
+    return {str(p) for d in v1_controllers().values() for p in d.glob("dsec*")}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leaks():
-    """Fail the session if it leaves processes, mounts or network namespaces behind."""
-    before = (set(our_processes()), mounts(), netns_entries())
+    """Fail the session if it leaves processes, mounts, cgroups or netns behind."""
+    before = (set(our_processes()), mounts(), netns_entries(), cgroups())
     yield
     deadline = time.monotonic() + 15
     while True:
         procs = {p: c for p, c in our_processes().items() if p not in before[0]}
         new_mounts = mounts() - before[1]
         new_netns = netns_entries() - before[2]
-        if not (procs or new_mounts or new_netns) or time.monotonic() > deadline:
+        new_cgroups = cgroups() - before[3]
+        if not (procs or new_mounts or new_netns or new_cgroups) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert not procs, f"processes left behind: {procs}"
     assert not new_mounts, f"mounts left behind: {new_mounts}"
     assert not new_netns, f"network namespaces left behind: {new_netns}"
+    assert not new_cgroups, f"cgroups left behind: {new_cgroups}"
 
 
 @pytest.fixture

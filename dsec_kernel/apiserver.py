@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import secrets
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -55,6 +57,16 @@ log = logging.getLogger(__name__)
 EXEC_MARGIN_S = 15.0
 
 
+@dataclass
+class _Placed:
+    """Sandboxes this apiserver placed on a node that its heartbeats may not count yet:
+    until one stamped at or after ``done_at`` (the edge's clock) arrives."""
+
+    backend: str
+    count: int
+    done_at: float = math.inf
+
+
 def new_sandbox_id() -> str:
     return "sb-" + secrets.token_hex(8)
 
@@ -72,7 +84,7 @@ class ApiServer:
         self.state: ClusterState | None = None
         self.views: dict[str, NodeView] = {}
         self._seen: dict[str, float] = {}
-        self._placed: dict[str, deque[tuple[float, str, int]]] = defaultdict(deque)
+        self._placed: dict[str, list[_Placed]] = defaultdict(list)
         self._down: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._fncall_inflight: dict[str, int] = defaultdict(int)
         self._by_node: dict[str, set[str]] = defaultdict(set)  # node -> sandbox ids
@@ -167,13 +179,16 @@ class ApiServer:
             self._down[name].set()  # calls waiting on this node fail now
         elif self._down[name].is_set():
             self._down[name] = asyncio.Event()  # back up: later calls wait on a fresh event
-        placed = self._placed[name]  # placements this heartbeat cannot have seen yet stay
-        horizon = time.monotonic() - min(0.25, info.heartbeat_s / 2)
-        while placed and placed[0][0] < horizon:
-            placed.popleft()
-        view.pending = {}
-        for _, backend, n in placed:
-            view.pending[backend] = view.pending.get(backend, 0) + n
+        # placements a heartbeat already counts go (both times are the edge's clock)
+        self._placed[name] = [p for p in self._placed[name] if p.done_at > info.heartbeat_at]
+        self._recount(name)
+
+    def _recount(self, node: str) -> None:
+        view = self.views.get(node)
+        if view is not None:
+            view.pending = {}
+            for p in self._placed[node]:
+                view.pending[p.backend] = view.pending.get(p.backend, 0) + p.count
 
     async def check_nodes(self) -> None:
         """Mark nodes down whose heartbeats stopped, and report lost every ready sandbox on a
@@ -318,16 +333,23 @@ class ApiServer:
         groups: dict[str, list[EdgeSandbox]] = defaultdict(list)
         for sb, node in zip(todo, nodes, strict=True):
             groups[node].append(sb)
-        now = time.monotonic()
         for node, items in groups.items():
-            self._placed[node].append((now, r.spec.backend, len(items)))
-            pending = self.views[node].pending
-            pending[r.spec.backend] = pending.get(r.spec.backend, 0) + len(items)
+            self._placed[node].append(_Placed(r.spec.backend, len(items)))
+            self._recount(node)
 
         async def one(node: str, items: list[EdgeSandbox]) -> EdgeCreateResponse:
+            placed = self._placed[node][-1]
             data = EdgeCreateRequest(sandboxes=items).model_dump_json().encode()
-            raw = await self._edge(node, "create", data, self.settings.edge_timeout_s)
-            return EdgeCreateResponse.model_validate_json(raw)
+            try:
+                raw = await self._edge(node, "create", data, self.settings.edge_timeout_s)
+            except BaseException:
+                placed.count = 0
+                self._recount(node)
+                raise
+            resp = EdgeCreateResponse.model_validate_json(raw)
+            placed.count, placed.done_at = len(resp.created), resp.completed_at
+            self._recount(node)
+            return resp
 
         results = await asyncio.gather(
             *(one(n, items) for n, items in groups.items()), return_exceptions=True

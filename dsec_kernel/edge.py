@@ -284,7 +284,7 @@ class Edge:
     async def _create(self, req: bus.Request) -> EdgeCreateResponse:
         r = EdgeCreateRequest.model_validate_json(req.data)
         results = await asyncio.gather(*(self._create_one(sb) for sb in r.sandboxes))
-        out = EdgeCreateResponse()
+        out = EdgeCreateResponse(completed_at=time.time())
         for sb, res in zip(r.sandboxes, results, strict=True):
             if isinstance(res, SandboxInfo):
                 out.created.append(res)

@@ -149,3 +149,6 @@ class EdgeCreateResponse(Message):
     type: Literal["io.dsec.edge.v1.create_response"] = "io.dsec.edge.v1.create_response"
     created: list[SandboxInfo] = Field(default_factory=list)
     failed: list[Failure] = Field(default_factory=list)
+    completed_at: float = Field(
+        0.0, description="edge clock when done: its heartbeats from then on count these"
+    )

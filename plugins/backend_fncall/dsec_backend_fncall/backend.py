@@ -34,6 +34,7 @@ from dsec_kernel.backend import (
     SandboxRef,
     SandboxStatus,
 )
+from dsec_kernel.cgroups import v1_controllers
 from dsec_kernel.procs import die_with_parent
 from dsec_kernel.wire import (
     MAX_FILE_BYTES,
@@ -75,6 +76,7 @@ class FncallConfig(BaseModel):
         description="directories calls see empty",
     )
     loopback: bool = Field(False, description="bring lo up in each call's network namespace")
+    cgroups: bool = Field(True, description="limit each call's memory and processes by cgroup")
     startup_timeout_s: float = Field(30.0, gt=0)
 
 
@@ -121,6 +123,10 @@ class FncallBackend(Backend):
 
     async def start(self, ctx: BackendContext) -> None:
         self.state_dir = ctx.state_dir
+        if self.config.cgroups and {"memory", "pids"} <= v1_controllers().keys():
+            self.capabilities = self.capabilities.model_copy(
+                update={"isolation": [*self.capabilities.isolation, "cgroups"]}
+            )
         self.root = ctx.state_dir / "sandboxes"
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
@@ -133,7 +139,7 @@ class FncallBackend(Backend):
         )
         prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
         shared = ("pool_size", "max_running", "tmp_size_mb", "memory_mb", "processes",
-                  "file_size_mb", "uid_base", "uid_count", "loopback")  # fmt: skip
+                  "file_size_mb", "uid_base", "uid_count", "loopback", "cgroups")  # fmt: skip
         self.supervisor_config = SupervisorConfig(
             socket=str(self.socket),
             files_root=str(self.root),

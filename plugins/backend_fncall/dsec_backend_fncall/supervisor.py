@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dsec_backend_fncall.zygote import BOOT
 from dsec_kernel.agent import agent_pb2 as pb
 from dsec_kernel.agent.agent_pb2_grpc import AgentServicer, add_AgentServicer_to_server
+from dsec_kernel.cgroups import Group, v1_controllers
 from dsec_kernel.procs import die_with_parent
 from dsec_kernel.wire import SANDBOX_ID_PATTERN
 
@@ -69,6 +70,7 @@ class SupervisorConfig(BaseModel):
     sys_path: list[str]
     hostname: str = "sandbox"
     loopback: bool = False
+    cgroups: bool = True
 
 
 @dataclass
@@ -120,6 +122,7 @@ class Pool:
         self.sock: socket.socket | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.closing = False
+        self.cgroup = _cgroup_base() if cfg.cgroups else None
 
     def start(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -138,6 +141,7 @@ class Pool:
                 }
             ),
             "files_root": self.cfg.files_root,
+            "cgroups": {c: str(d) for c, d in self.cgroup.dirs.items()} if self.cgroup else {},
             "sock_fd": child.fileno(),
             "supervisor_pid": os.getpid(),
         }
@@ -261,7 +265,7 @@ class Pool:
         self._fail_waiters("the zygote died", len(self.waiters))
         if self.proc is not None:
             self.proc.wait()
-        if not self.closing:
+        if not self.closing:  # (the next zygote's workers reuse the cgroup slots)
             log.error(
                 "the zygote exited (%s); starting a new one", self.proc and self.proc.returncode
             )
@@ -278,6 +282,26 @@ class Pool:
         if self.proc is not None:
             self.proc.kill()
             await asyncio.to_thread(self.proc.wait)
+        if self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.remove)
+
+
+def _cgroup_base() -> Group | None:
+    """This supervisor's memory+pids cgroup (``dsec-fncall-<pid>``), after removing those
+    of supervisors that died without cleaning up. None when the host has no such v1 ones."""
+    parents = {c: d for c, d in v1_controllers().items() if c in ("memory", "pids")}
+    if len(parents) < 2:
+        log.warning("no cgroup v1 memory and pids hierarchies: calls are limited by rlimits only")
+        return None
+    for stale in parents["memory"].glob("dsec-fncall-*"):
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            Group.under(parents, stale.name).remove()
+    try:
+        return Group.under(parents, f"dsec-fncall-{os.getpid()}").create()
+    except OSError as exc:
+        log.warning("cannot create cgroups (%s): calls are limited by rlimits only", exc)
+        return None
 
 
 @dataclass
@@ -551,7 +575,10 @@ async def _read_report(ctrl: socket.socket) -> dict | None:
     buf = bytearray()
     need = 8
     while len(buf) < need:
-        chunk = await loop.sock_recv(ctrl, need - len(buf))
+        try:
+            chunk = await loop.sock_recv(ctrl, need - len(buf))
+        except OSError:  # ECONNRESET: the worker was killed
+            return None
         if not chunk:
             return None
         buf += chunk

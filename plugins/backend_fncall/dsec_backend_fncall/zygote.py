@@ -17,7 +17,8 @@ A worker is PID 1 of new PID, mount, network, IPC and UTS namespaces, with a fre
 ``/tmp`` and ``/dev/shm`` and its own ``/proc``; its network namespace has no interface up
 (``lo`` only when configured). It waits on its ctrl socket for one call (see :func:`_worker`),
 runs it as an unprivileged uid of its own (group ``uid_base - 1``, which owns sandboxes'
-files) under rlimits and seccomp, and exits. Killing it
+files) under rlimits, a memory and pids cgroup (when the host has cgroup v1 ones) and
+seccomp, and exits. Killing it
 kills everything the call started (the PID namespace dies with its PID 1).
 """
 
@@ -141,6 +142,45 @@ def _files_overlay(sandbox: str) -> None:
     )
 
 
+def _join_cgroup(cfg: dict, uid: int) -> dict[str, int]:
+    """Move this worker into its slot's cgroup (one per uid, reused) in each hierarchy the
+    supervisor prepared; return open fds of the limit files to write when the call comes.
+
+    Works through directory fds opened before the view was made read-only."""
+    limits = {"memory": "memory.limit_in_bytes", "pids": "pids.max"}
+    out = {}
+    for controller, base_fd in cfg["cgroup_fds"].items():
+        try:
+            os.mkdir(str(uid), dir_fd=base_fd)
+        except FileExistsError:
+            pass
+        slot = os.open(str(uid), os.O_RDONLY | os.O_DIRECTORY, dir_fd=base_fd)
+        try:
+            procs = os.open("cgroup.procs", os.O_WRONLY, dir_fd=slot)
+            os.write(procs, str(os.getpid()).encode())
+            os.close(procs)
+            out[controller] = os.open(limits[controller], os.O_WRONLY, dir_fd=slot)
+        finally:
+            os.close(slot)
+    return out
+
+
+def _set_cgroup_limits(fds: dict[str, int], lim: dict) -> None:
+    """Limit the call as a whole: memory across all its processes, and their number."""
+    values = {"memory": lim["memory_bytes"], "pids": lim["processes"]}
+    for controller, fd in fds.items():
+        os.write(fd, str(values[controller]).encode())
+        os.close(fd)
+
+
+def _close_fds_except(keep: set[int]) -> None:
+    low = 3
+    for fd in sorted(k for k in keep if k >= 3):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 1 << 16)
+
+
 def _drop_privileges(cfg: dict, spec: dict, uid: int) -> None:
     lim = spec["limits"]
     for res, value in (
@@ -251,14 +291,15 @@ def _worker(cfg: dict, uid: int, ctrl: socket.socket, fds: tuple[int, int, int])
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for target, fd in zip((0, 1, 2), fds, strict=True):
             os.dup2(fd, target)  # from here on, errors reach the caller's stderr
-        os.closerange(3, ctrl.fileno())
-        os.closerange(ctrl.fileno() + 1, 1 << 16)
+        limit_fds = _join_cgroup(cfg, uid)
+        _close_fds_except({ctrl.fileno(), *limit_fds.values()})
         _prepare_worker(cfg)
         spec = recv_frame(ctrl)
         if spec is None:  # the pool is shrinking
             os._exit(0)
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # spawned idle; runs normal
         _files_overlay(spec.get("sandbox", ""))
+        _set_cgroup_limits(limit_fds, spec["limits"])
         _drop_privileges(cfg, spec, uid)
         os.chdir(spec.get("cwd") or "/tmp")  # as the call's uid: its permissions apply
         if spec["mode"] == "python":
@@ -408,6 +449,9 @@ def main(cfg: dict) -> None:
     """Entry (see :data:`BOOT`): serve the supervisor on fd ``cfg["sock_fd"]``."""
     sock = socket.socket(fileno=cfg["sock_fd"])
     cfg["bpf"] = bytes.fromhex(cfg.pop("bpf_hex"))
+    cfg["cgroup_fds"] = {  # opened before the view makes /sys/fs/cgroup read-only
+        c: os.open(path, os.O_RDONLY | os.O_DIRECTORY) for c, path in cfg["cgroups"].items()
+    }
     linux.set_pdeathsig(signal.SIGKILL)
     if os.getppid() != cfg["supervisor_pid"]:
         os._exit(1)

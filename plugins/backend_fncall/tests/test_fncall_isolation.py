@@ -302,3 +302,17 @@ def _is_child_zygote(pid: int, parent: int) -> bool:
     except OSError:
         return False
     return int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"zygote" in cmd
+
+
+async def test_memory_is_limited_per_call_not_per_process(backend):
+    if "cgroups" not in backend.capabilities.isolation:
+        pytest.skip("no cgroup v1 memory and pids hierarchies on this host")
+    code = (
+        "for i in 1 2 3 4; do python3 -c 'import time; x = bytearray(120 << 20); "
+        'x[::4096] = b"x" * len(x[::4096]); time.sleep(3)\' & done; wait; echo finished'
+    )
+    r = await sh(backend, code, limits=Limits(memory_mb=256, pids=32), timeout_s=20)
+    # each process stays under the 256 MiB address-space rlimit; together they do not fit
+    assert b"Killed" in r.stderr or r.exit_code != 0 or b"MemoryError" in r.stderr, r
+    r = await sh(backend, "cat /proc/self/cgroup | grep -c dsec-fncall")
+    assert int(r.stdout) >= 1

@@ -1,0 +1,80 @@
+"""cgroup v1 groups for sandboxes: create, put processes in, limit, remove.
+
+Standard library only (the fncall zygote imports it). Groups are made below the calling
+process's own cgroup in each hierarchy (``/proc/self/cgroup``), so DSec works inside a
+nested cgroup as well as at the root. Every function raises OSError on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+__all__ = ["Group", "v1_controllers"]
+
+
+def v1_controllers() -> dict[str, Path]:
+    """controller -> the directory of this process's own cgroup in that v1 hierarchy."""
+    mounts: dict[str, Path] = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fstype, _src, opts = right.split()[:3]
+            if fstype == "cgroup":
+                for opt in opts.split(","):
+                    mounts.setdefault(opt, Path(left.split()[4]))
+    own: dict[str, Path] = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, names, path = line.rstrip("\n").split(":", 2)
+            for name in names.split(","):
+                if name in mounts:
+                    own[name] = mounts[name] / path.lstrip("/")
+    return own
+
+
+class Group:
+    """One cgroup, the same relative path in several v1 hierarchies (e.g. memory and pids)."""
+
+    def __init__(self, dirs: dict[str, Path]) -> None:
+        self.dirs = dirs
+
+    @classmethod
+    def under(cls, parent: dict[str, Path], name: str) -> Group:
+        return cls({c: d / name for c, d in parent.items()})
+
+    def create(self) -> Group:
+        for d in self.dirs.values():
+            d.mkdir(exist_ok=True)
+        return self
+
+    def add(self, pid: int) -> None:
+        for d in self.dirs.values():
+            (d / "cgroup.procs").write_text(str(pid))
+
+    def set(self, controller: str, name: str, value: int | str) -> None:
+        (self.dirs[controller] / name).write_text(str(value))
+
+    def remove(self, timeout: float = 5.0) -> None:
+        """Remove the group and its children once they are empty (waits up to ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        for d in self.dirs.values():
+            if not d.exists():
+                continue
+            for child in sorted((p for p in d.rglob("*") if p.is_dir()), reverse=True):
+                _rmdir(child, deadline)
+            _rmdir(d, deadline)
+
+
+def _rmdir(path: Path, deadline: float) -> None:
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # EBUSY: processes are still leaving
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
