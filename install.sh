@@ -22,7 +22,8 @@ plugins=(plugins/*/)
 stamp=.install-stamp
 want=$(cat install.sh pyproject.toml "${plugins[@]/%/pyproject.toml}" | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
-   && "$PY" -c "import dsec_kernel.cli, dsec_backend_fncall.backend, pytest" 2>/dev/null \
+   && "$PY" -c "import sys, dsec_kernel.cli, dsec_backend_fncall.backend, pytest
+sys.exit(not dsec_kernel.__file__.startswith('$PWD/'))" 2>/dev/null \
    && command -v dsec >/dev/null; then
   echo "install: up to date"
   exit 0

@@ -1,16 +1,18 @@
 """The backend conformance suite: behaviour every backend must show, run against the real thing.
 
-Use it from a backend package's tests (pytest + pytest-asyncio). The tests of a class share
-one event loop, so one started backend can serve them all::
+Use it from a backend package's tests (pytest + pytest-asyncio). The tests of the class share
+one event loop, so one started backend, a class-scoped ``backend`` fixture, serves them all::
 
     import pytest_asyncio
     from dsec_kernel.conformance import BackendConformance, started
 
+    @pytest_asyncio.fixture(scope="class", loop_scope="class")
+    async def backend(tmp_path_factory):
+        async with started(MyBackend(), tmp_path_factory.mktemp("b")) as b:
+            yield b
+
     class TestMyBackend(BackendConformance):
-        @pytest_asyncio.fixture(scope="class", loop_scope="class")
-        async def backend(self, tmp_path_factory):
-            async with started(MyBackend(), tmp_path_factory.mktemp("b")) as b:
-                yield b
+        pass
 
 Tests of a capability the backend does not declare check that the method raises
 ``Unsupported`` instead. See docs/plugins.md.
@@ -65,7 +67,7 @@ def _new(backend: Backend) -> EdgeSandbox:
 
 
 class BackendConformance:
-    """Behaviour tests for any backend. Subclass and provide a ``backend`` fixture."""
+    """Behaviour tests for any backend. Subclass it where a ``backend`` fixture is defined."""
 
     pytestmark = pytest.mark.asyncio(loop_scope="class")
     #: seconds a timed-out command may overrun its timeout before the test fails

@@ -41,7 +41,6 @@ from dsec_kernel.wire import (
     NodeLoad,
     ReadFileRequest,
     SandboxInfo,
-    StatusRequest,
     WriteFileRequest,
     fit_results,
     shell_argv,
@@ -157,7 +156,6 @@ class Edge:
             "fncall": self._fncall,
             "file.read": self._read_file,
             "file.write": self._write_file,
-            "status": self._status,
         }
         _, self._drain = await bus.serve(
             self.nc,
@@ -404,12 +402,6 @@ class Edge:
     async def _write_file(self, req: bus.Request):
         r = WriteFileRequest.model_validate_json(req.data)
         return await self._sandbox(r.sandbox_id)[1].write_file(r)
-
-    async def _status(self, req: bus.Request) -> SandboxInfo:
-        r = StatusRequest.model_validate_json(req.data)
-        info, backend = self._sandbox(r.id)
-        await backend.status(SandboxRef(sandbox_id=r.id))
-        return info
 
 
 def _plugin_version(backend: Backend) -> str:

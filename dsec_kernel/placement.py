@@ -52,9 +52,6 @@ class NodeView:
     def free(self, backend: str) -> int:
         return max(0, self.capacity(backend) - self.used(backend))
 
-    def total_sandboxes(self) -> int:
-        return self.info.load.sandboxes + sum(self.pending.values())
-
 
 class PlacementPolicy(abc.ABC):
     """Chooses nodes. ``place`` must be fast: it runs inside every create request."""

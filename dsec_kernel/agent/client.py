@@ -131,9 +131,3 @@ class AgentClient:
         except grpc.aio.AioRpcError as exc:
             raise status_error(exc, "signal") from None
         return resp.delivered
-
-    async def health(self) -> pb.HealthResponse:
-        try:
-            return await self._stub.Health(pb.HealthRequest(), timeout=5)
-        except grpc.aio.AioRpcError as exc:
-            raise status_error(exc, "health") from None

@@ -10,11 +10,14 @@ from dsec_kernel.conformance import BackendConformance, started
 from dsec_kernel.wire import EdgeSandbox, SandboxSpec
 
 
+@pytest_asyncio.fixture(scope="class", loop_scope="class")
+async def backend(tmp_path_factory):
+    async with started(NoopBackend(), tmp_path_factory.mktemp("noop")) as b:
+        yield b
+
+
 class TestNoopConformance(BackendConformance):
-    @pytest_asyncio.fixture(scope="class", loop_scope="class")
-    async def backend(self, tmp_path_factory):
-        async with started(NoopBackend(), tmp_path_factory.mktemp("noop")) as b:
-            yield b
+    pass
 
 
 async def test_capacity_is_enforced(tmp_path):
