@@ -130,7 +130,12 @@ async def request_raw(
     try:
         msg = await nc.request(subject, data, timeout=timeout, headers=headers)
     except nats.errors.NoRespondersError:
-        raise errors.Unavailable(f"nothing is serving {subject}") from None
+        hint = (
+            "; is `dsec up` (or `dsec apiserver`) running against this NATS?"
+            if subject.startswith("dsec.api.")
+            else ""
+        )
+        raise errors.Unavailable(f"nothing is serving {subject}{hint}") from None
     except nats.errors.TimeoutError:
         raise errors.DeadlineExceeded(f"no reply on {subject} within {timeout:.1f}s") from None
     except nats.errors.ConnectionClosedError:
