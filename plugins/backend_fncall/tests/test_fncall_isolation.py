@@ -316,3 +316,16 @@ async def test_memory_is_limited_per_call_not_per_process(backend):
     assert b"Killed" in r.stderr or r.exit_code != 0 or b"MemoryError" in r.stderr, r
     r = await sh(backend, "cat /proc/self/cgroup | grep -c dsec-fncall")
     assert int(r.stdout) >= 1
+
+
+async def test_gigabytes_of_output_are_drained_and_capped(backend):
+    t = time.monotonic()
+    r = await sh(
+        backend,
+        "head -c 3000000000 /dev/zero; echo done >&2",
+        timeout_s=60,
+        max_output_bytes=1 << 20,
+    )
+    assert r.truncated and len(r.stdout) == 1 << 20 and r.stderr == b"done\n" and r.exit_code == 0
+    assert not r.timed_out
+    print(f"3 GB drained in {time.monotonic() - t:.1f}s")
