@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--pool-size", type=int, default=16)
+    ap.add_argument("--uvloop", action="store_true", help="run this client on uvloop")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="dsec-bench-") as tmp:
         env = {"DSEC_BACKEND_CONFIG__FNCALL__POOL_SIZE": str(args.pool_size)}
@@ -106,6 +107,10 @@ def main() -> None:
             cluster.start_nats()
             cluster.start_apiserver()
             cluster.start_edge("bench", ["fncall"])
+            if args.uvloop:
+                import uvloop
+
+                uvloop.install()
             asyncio.run(run(cluster, args.calls, args.concurrency))
 
 

@@ -143,7 +143,7 @@ class FncallBackend(Backend):
         self.supervisor_config = SupervisorConfig(
             socket=str(self.socket),
             files_root=str(self.root),
-            masks=[*self.config.mask_paths, str(ctx.state_dir.parent.parent)],
+            masks=[*self.config.mask_paths, str(ctx.state_dir)],
             keep=sorted(prefixes | set(code_dirs)),
             bpf_hex=compile_profile(ctx.hooks.guard_syscalls(self.name)).hex(),
             sys_path=code_dirs,

@@ -93,10 +93,13 @@ def build_view(masks: list[str], keep: list[str], files_root: str) -> None:
     masked: the files mount point is made inside that tmpfs, never on the host."""
     linux.unshare(linux.CLONE_NEWNS)
     linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
-    masks = list(dict.fromkeys([*masks, "/run"]))
+    masks = [m for m in dict.fromkeys(os.path.realpath(m) for m in [*masks, "/run"]) if m != "/"]
     keep_fds = {p: os.open(p, os.O_PATH) for p in keep if os.path.exists(p)}
     files_fd = os.open(files_root, os.O_PATH | os.O_DIRECTORY)
-    for mask in dict.fromkeys(os.path.realpath(m) for m in masks):
+    # every worker copies this mount table and tears its copy down: drop what calls never
+    # see (mounts below masked directories, the host's cgroup hierarchies)
+    _detach_below([*masks, "/sys/fs/cgroup"], keep=[*keep_fds, files_root])
+    for mask in masks:
         if not os.path.isdir(mask):
             continue
         linux.mount("tmpfs", mask, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "mode=0755,size=1m")
@@ -109,6 +112,24 @@ def build_view(masks: list[str], keep: list[str], files_root: str) -> None:
     for fd in [*keep_fds.values(), files_fd]:
         os.close(fd)
     linux.mount_setattr("/", linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID)
+
+
+def _detach_below(tops: list[str], keep: list[str]) -> None:
+    """Detach every mount at or below ``tops`` (the tops themselves only if they are not
+    masked again right after), deepest first, except those holding a ``keep`` path."""
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4].replace("\\040", " ") for line in f]
+    keep_real = [os.path.realpath(k) for k in keep]
+
+    def below(point: str, top: str) -> bool:
+        return point == top or point.startswith(top.rstrip("/") + "/")
+
+    for point in sorted(set(points), key=len, reverse=True):
+        if any(below(point, t) for t in tops) and not any(below(k, point) for k in keep_real):
+            try:
+                linux.umount(point, linux.MNT_DETACH)
+            except OSError:
+                pass
 
 
 # -- one worker ------------------------------------------------------------------------------
@@ -324,6 +345,9 @@ def _worker(cfg: dict, uid: int, ctrl: socket.socket, fds: tuple[int, int, int])
             ctrl,
             {"status": status, "cpu_s": cpu, "max_rss": max(me.ru_maxrss, kids.ru_maxrss) * 1024},
         )
+        # the call is answered: tearing this process and its namespaces down can wait for
+        # idle CPU instead of slowing the next call
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except BaseException:
         pass
     os._exit(0)
@@ -457,4 +481,7 @@ def main(cfg: dict) -> None:
         os._exit(1)
     build_view(cfg["masks"], cfg["keep"], cfg["files_root"])
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # refills yield to calls
-    Zygote(cfg, sock).serve()
+    try:
+        Zygote(cfg, sock).serve()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the supervisor is gone; PDEATHSIG takes the workers
