@@ -1,0 +1,133 @@
+"""The layer-store contract: what a ``dsec.storage`` plugin implements.
+
+A layer is a read-only filesystem image (EROFS for the ``3fs`` store), content addressed by
+the digest of the image, with a kind (``base``: OS and runtimes; ``workspace``: a task's or
+repository's files; ``toolkit``: harness and tools), a name and a version. An environment is
+``base + workspace + toolkits``, composed when a sandbox starts.
+
+The store has a *catalog* (layers, their images, snapshots) on a filesystem every node can
+reach (3FS, CephFS, NFS... or a local directory on one machine) and a *node side*: each node
+mounts the images it needs directly from the store path, once per node, and caches metadata
+on local disk. Sandbox writes never go to the store. Methods are synchronous (file work);
+callers run them in a thread. Failures raise :class:`~dsec_kernel.errors.DsecError`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec_kernel.backend import NoConfig
+
+__all__ = ["KINDS", "GcReport", "Layer", "LayerStore", "LayerUsage", "Progress"]
+
+KINDS = ("base", "workspace", "toolkit")
+Kind = Literal["base", "workspace", "toolkit"]
+Progress = Callable[[str], None]
+
+
+class Layer(BaseModel):
+    """A layer's catalog record."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$", description="digest of the image")
+    kind: Kind
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    version: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+    size: int = Field(ge=0, description="image bytes")
+    files: int = Field(0, ge=0, description="entries in the filesystem")
+    created_at: float = 0.0
+    source: str = Field("", description="where it was imported from")
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}:{self.version}"
+
+
+class LayerUsage(BaseModel):
+    """How much of a layer's image this node has read (the on-demand claim, measured)."""
+
+    digest: str
+    size: int
+    bytes_read: int
+
+    @property
+    def fraction(self) -> float:
+        return self.bytes_read / self.size if self.size else 0.0
+
+
+class GcReport(BaseModel):
+    removed: list[str] = Field(default_factory=list, description="digests or snapshot ids")
+    bytes_freed: int = 0
+
+
+class LayerStore(abc.ABC):
+    """A layer store driver (entry-point group ``dsec.storage``)."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type[BaseModel]] = NoConfig
+
+    def __init__(self, config: BaseModel | None = None) -> None:
+        self.config = config if config is not None else self.Config()
+
+    # -- catalog -----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def import_layer(
+        self, source: str, kind: Kind, name: str, version: str, progress: Progress | None = None
+    ) -> Layer:
+        """Build a layer from a directory, a tar / tar.gz, or an OCI image layout (its layers
+        flattened in order, whiteouts applied) and add it to the catalog. Importing the same
+        name:version again with different content is a Conflict; with the same content, a
+        no-op returning the existing record. Nothing is left behind on failure."""
+
+    @abc.abstractmethod
+    def list_layers(self) -> list[Layer]:
+        """Every layer in the catalog."""
+
+    @abc.abstractmethod
+    def resolve(self, name: str, version: str, kind: Kind | None = None) -> Layer:
+        """The layer ``name:version`` (of ``kind`` when given); NotFound otherwise."""
+
+    @abc.abstractmethod
+    def remove(self, name: str, version: str, force: bool = False) -> Layer:
+        """Remove ``name:version`` from the catalog; Conflict (naming the holders) while any
+        sandbox holds it, unless ``force`` (for holders on nodes that are gone). The image
+        itself goes at the next :meth:`gc` if nothing else names it."""
+
+    @abc.abstractmethod
+    def gc(self) -> GcReport:
+        """Delete images no layer names and nothing holds."""
+
+    @abc.abstractmethod
+    def image_path(self, digest: str) -> Path:
+        """Where the image of ``digest`` lives in the store (NotFound if it does not)."""
+
+    @abc.abstractmethod
+    def snapshots_root(self) -> Path:
+        """A directory in the store where backends keep snapshots (shared by all nodes)."""
+
+    # -- node side ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def mount(self, digest: str, holder: str) -> Path:
+        """Mount the image read-only on this node (once; later calls share the mount) and
+        record that ``holder`` (e.g. ``node/sandbox-id``) uses it. Returns the mount point.
+        A missing or corrupt image raises NotFound / InvalidArgument and mounts nothing."""
+
+    @abc.abstractmethod
+    def release(self, digest: str, holder: str) -> None:
+        """``holder`` no longer uses the layer; the last release unmounts it. Idempotent."""
+
+    @abc.abstractmethod
+    def holders(self, digest: str) -> list[str]:
+        """Who holds the layer, on any node."""
+
+    @abc.abstractmethod
+    def usage(self, digest: str) -> LayerUsage:
+        """Bytes of the image this node has read (page cache residency), and its size."""
