@@ -23,6 +23,9 @@ _EXPORTS = {
     "Client": "dsec_kernel.sdk",
     "Sandbox": "dsec_kernel.sdk",
     "SyncSandbox": "dsec_kernel.sdk",
+    "Snapshot": "dsec_kernel.sdk",
+    "Env": "dsec_kernel.wire",
+    "FsDiff": "dsec_kernel.wire",
     "ExecResult": "dsec_kernel.wire",
     "Limits": "dsec_kernel.wire",
     "NodeInfo": "dsec_kernel.wire",
@@ -81,5 +84,5 @@ if TYPE_CHECKING:
         Unsupported,
     )
     from dsec_kernel.plugins import hookimpl
-    from dsec_kernel.sdk import AsyncClient, Client, Sandbox, SyncSandbox
-    from dsec_kernel.wire import ExecResult, Limits, NodeInfo, SandboxInfo
+    from dsec_kernel.sdk import AsyncClient, Client, Sandbox, Snapshot, SyncSandbox
+    from dsec_kernel.wire import Env, ExecResult, FsDiff, Limits, NodeInfo, SandboxInfo

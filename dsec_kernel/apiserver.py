@@ -38,12 +38,17 @@ from dsec_kernel.wire import (
     ExecResponse,
     ExecResult,
     FncallRequest,
+    FsDiffRequest,
+    HistoryRequest,
     ListRequest,
     ListResponse,
     NodeInfo,
     NodesResponse,
+    PublishRequest,
     ReadFileRequest,
+    RestoreRequest,
     SandboxInfo,
+    SnapshotRequest,
     StatusRequest,
     WriteFileRequest,
     fit_results,
@@ -117,9 +122,19 @@ class ApiServer:
             "status": self._status,
             "exec": self._exec,
             "fncall": self._fncall,
-            "file.read": self._read_file,
-            "file.write": self._write_file,
             "nodes": self._nodes,
+            "publish": self._publish,
+            **{
+                op: self._in_sandbox(op, model)
+                for op, model in (
+                    ("file.read", ReadFileRequest),
+                    ("file.write", WriteFileRequest),
+                    ("snapshot", SnapshotRequest),
+                    ("restore", RestoreRequest),
+                    ("fs_diff", FsDiffRequest),
+                    ("history", HistoryRequest),
+                )
+            },
         }
         _, self._drain = await bus.serve(
             self.nc,
@@ -521,12 +536,26 @@ class ApiServer:
         finally:
             self._fncall_inflight[node] -= 1
 
-    async def _read_file(self, req: bus.Request) -> bytes:
-        r = ReadFileRequest.model_validate_json(req.data)
-        info = await self._lookup(await self._auth(req), r.sandbox_id)
-        return await self._edge(info.node, "file.read", req.data, self.settings.edge_timeout_s)
+    def _in_sandbox(self, op: str, model: type[Any]) -> bus.Handler:
+        """A handler for requests about one of the caller's sandboxes: forwarded to its edge
+        as they came (``model`` has a ``sandbox_id``)."""
 
-    async def _write_file(self, req: bus.Request) -> bytes:
-        r = WriteFileRequest.model_validate_json(req.data)
-        info = await self._lookup(await self._auth(req), r.sandbox_id)
-        return await self._edge(info.node, "file.write", req.data, self.settings.edge_timeout_s)
+        async def handle(req: bus.Request) -> bytes:
+            r = model.model_validate_json(req.data)
+            info = await self._lookup(await self._auth(req), r.sandbox_id)
+            return await self._edge(info.node, op, req.data, self.settings.edge_timeout_s)
+
+        return handle
+
+    async def _publish(self, req: bus.Request) -> bytes:
+        r = PublishRequest.model_validate_json(req.data)
+        r.tenant = await self._auth(req)  # the edge checks the snapshot belongs to it
+        nodes = [
+            v.name
+            for v in self.views.values()
+            if v.info.state == "up" and any(b.capabilities.snapshot for b in v.info.backends)
+        ]
+        if not nodes:
+            raise errors.Unsupported("no node runs a backend that keeps snapshots")
+        data = r.model_dump_json().encode()
+        return await self._edge(nodes[0], "publish", data, self.settings.edge_timeout_s * 10)

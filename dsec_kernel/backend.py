@@ -32,10 +32,17 @@ from dsec_kernel.wire import (
     EdgeSandbox,
     ExecResult,
     FncallRequest,
+    FsDiff,
+    FsDiffRequest,
+    LayerInfo,
     Limits,
+    PublishRequest,
     ReadFileRequest,
     ReadFileResponse,
+    RestoreRequest,
     SandboxId,
+    SnapshotInfo,
+    SnapshotRequest,
     WriteFileRequest,
     WriteFileResponse,
 )
@@ -51,7 +58,6 @@ __all__ = [
     "NoConfig",
     "SandboxRef",
     "SandboxStatus",
-    "SnapshotRef",
 ]
 
 
@@ -103,13 +109,6 @@ class SandboxStatus(BaseModel):
     sandbox_id: SandboxId
     state: str = Field(description="ready | paused | ... (backend's own view)")
     running_execs: int = 0
-
-
-class SnapshotRef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    snapshot_id: str
-    sandbox_id: SandboxId
 
 
 class Backend(abc.ABC):
@@ -182,11 +181,22 @@ class Backend(abc.ABC):
 
     # -- state -------------------------------------------------------------------------------
 
-    async def snapshot(self, ref: SandboxRef) -> SnapshotRef:
+    async def snapshot(self, request: SnapshotRequest) -> SnapshotInfo:
+        """Record the sandbox's files incrementally; its processes keep running."""
         raise errors.Unsupported(f"the {self.name} backend cannot snapshot")
 
-    async def restore(self, snapshot: SnapshotRef) -> None:
+    async def restore(self, request: RestoreRequest) -> None:
+        """Files exactly as at the snapshot (or as created), no process from after it left.
+        A snapshot of another tenant is NotFound."""
         raise errors.Unsupported(f"the {self.name} backend cannot restore")
+
+    async def fs_diff(self, request: FsDiffRequest) -> FsDiff:
+        """Paths added, modified and deleted since creation or since a snapshot."""
+        raise errors.Unsupported(f"the {self.name} backend cannot diff its files")
+
+    async def publish(self, request: PublishRequest) -> LayerInfo:
+        """Make a snapshot a layer in the layer store."""
+        raise errors.Unsupported(f"the {self.name} backend cannot publish layers")
 
     async def pause(self, ref: SandboxRef) -> None:
         raise errors.Unsupported(f"the {self.name} backend cannot pause")

@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import pytest_asyncio
@@ -36,8 +37,11 @@ from dsec_kernel.plugins import Hooks
 from dsec_kernel.wire import (
     EdgeSandbox,
     FncallRequest,
+    FsDiffRequest,
     ReadFileRequest,
+    RestoreRequest,
     SandboxSpec,
+    SnapshotRequest,
     WriteFileRequest,
 )
 
@@ -57,28 +61,31 @@ async def started(
         await backend.close()
 
 
-def _new(backend: Backend) -> EdgeSandbox:
-    return EdgeSandbox(
-        id="sb-" + secrets.token_hex(8),
-        tenant="conformance",
-        spec=SandboxSpec(backend=backend.name),
-        created_at=time.time(),
-    )
-
-
 class BackendConformance:
     """Behaviour tests for any backend. Subclass it where a ``backend`` fixture is defined."""
 
     pytestmark = pytest.mark.asyncio(loop_scope="class")
+    #: extra SandboxSpec fields every test sandbox gets (e.g. an ``env`` for layered backends);
+    #: set it on the subclass
+    spec: ClassVar[dict[str, object]] = {}
     #: seconds a timed-out command may overrun its timeout before the test fails
     timeout_slack_s = 5.0
 
     @pytest_asyncio.fixture(loop_scope="class")
     async def sandbox(self, backend: Backend) -> AsyncIterator[str]:
-        sb = _new(backend)
+        sb = self.new(backend)
         await backend.create(sb)
         yield sb.id
         await backend.destroy(SandboxRef(sandbox_id=sb.id))
+
+    def new(self, backend: Backend, **spec: object) -> EdgeSandbox:
+        """A sandbox request with a fresh id and the class's ``spec``."""
+        return EdgeSandbox(
+            id="sb-" + secrets.token_hex(8),
+            tenant="conformance",
+            spec=SandboxSpec(backend=backend.name, **{**self.spec, **spec}),
+            created_at=time.time(),
+        )
 
     def call(self, sandbox: str, argv: list[str], **kw: object) -> ExecCall:
         return ExecCall(
@@ -100,7 +107,7 @@ class BackendConformance:
         assert backend.capabilities.max_sandboxes > 0
 
     async def test_create_status_list_destroy(self, backend: Backend) -> None:
-        sb = _new(backend)
+        sb = self.new(backend)
         status = await backend.create(sb)
         assert status.sandbox_id == sb.id and status.state == "ready"
         assert (await backend.status(SandboxRef(sandbox_id=sb.id))).state == "ready"
@@ -111,20 +118,20 @@ class BackendConformance:
             await backend.status(SandboxRef(sandbox_id=sb.id))
 
     async def test_destroy_is_idempotent(self, backend: Backend) -> None:
-        sb = _new(backend)
+        sb = self.new(backend)
         await backend.create(sb)
         await backend.destroy(SandboxRef(sandbox_id=sb.id))
         await backend.destroy(SandboxRef(sandbox_id=sb.id))
         await backend.destroy(SandboxRef(sandbox_id="sb-" + "0" * 16))
 
     async def test_create_existing_id_conflicts(self, backend: Backend, sandbox: str) -> None:
-        sb = _new(backend).model_copy(update={"id": sandbox})
+        sb = self.new(backend).model_copy(update={"id": sandbox})
         with pytest.raises(errors.Conflict):
             await backend.create(sb)
         assert (await backend.status(SandboxRef(sandbox_id=sandbox))).state == "ready"
 
     async def test_many_at_once(self, backend: Backend) -> None:
-        sbs = [_new(backend) for _ in range(20)]
+        sbs = [self.new(backend) for _ in range(20)]
         await asyncio.gather(*(backend.create(sb) for sb in sbs))
         listed = set(await backend.list_sandboxes())
         assert {sb.id for sb in sbs} <= listed
@@ -139,7 +146,9 @@ class BackendConformance:
         checks = {
             "exec": lambda: backend.exec(self.call(sandbox, ["true"])),
             "files": lambda: backend.read_file(ReadFileRequest(sandbox_id=sandbox, path="/tmp/x")),
-            "snapshot": lambda: backend.snapshot(ref),
+            "snapshot": lambda: backend.snapshot(SnapshotRequest(sandbox_id=sandbox)),
+            "restore": lambda: backend.restore(RestoreRequest(sandbox_id=sandbox)),
+            "fs_diff": lambda: backend.fs_diff(FsDiffRequest(sandbox_id=sandbox)),
             "pause": lambda: backend.pause(ref),
         }
         for capability, fn in checks.items():
@@ -247,3 +256,78 @@ class BackendConformance:
                 assert (r.stdout, r.exit_code) == (b"42\n", 0), (lang, r)
         with pytest.raises(errors.InvalidArgument):
             await backend.fncall(FncallRequest(code="x", language="no-such-language"))
+
+    # -- snapshots -------------------------------------------------------------------------------
+
+    async def _sh(self, backend: Backend, sandbox: str, script: str) -> bytes:
+        r = await backend.exec(self.call(sandbox, ["/bin/sh", "-c", script]))
+        assert r.exit_code == 0, r
+        return r.stdout
+
+    async def test_snapshot_restore_puts_files_and_processes_back(
+        self, backend: Backend, sandbox: str
+    ) -> None:
+        self.need(backend, "snapshot")
+        await self._sh(backend, sandbox, "echo one > /tmp/a; echo keep > /tmp/c; mkdir -p /tmp/d")
+        snap = await backend.snapshot(SnapshotRequest(sandbox_id=sandbox))
+        assert snap.sandbox_id == sandbox and snap.id.startswith("snap-")
+        await self._sh(
+            backend,
+            sandbox,
+            "echo two > /tmp/a; echo new > /tmp/b; rm /tmp/c; rmdir /tmp/d;"
+            " (setsid sleep 1000 > /dev/null 2>&1 &)",
+        )
+        await backend.restore(RestoreRequest(sandbox_id=sandbox, snapshot_id=snap.id))
+        out = await self._sh(
+            backend,
+            sandbox,
+            "cat /tmp/a /tmp/c; test -e /tmp/b || echo no-b; test -d /tmp/d && echo d;"
+            " ps -o args | grep -c '^sleep 1000' || true",
+        )
+        assert out == b"one\nkeep\nno-b\nd\n0\n", out
+
+    async def test_incremental_snapshots_fork_and_reset(
+        self, backend: Backend, sandbox: str
+    ) -> None:
+        self.need(backend, "snapshot")
+        await self._sh(backend, sandbox, "echo 1 > /tmp/f1")
+        s1 = await backend.snapshot(SnapshotRequest(sandbox_id=sandbox))
+        await self._sh(backend, sandbox, "echo 2 > /tmp/f2; rm /tmp/f1")
+        s2 = await backend.snapshot(SnapshotRequest(sandbox_id=sandbox))
+        assert s2.parent == s1.id and s2.depth == s1.depth + 1
+        if backend.capabilities.fork:
+            forked = self.new(backend, snapshot=s2.id)
+            await backend.create(forked)
+            try:
+                out = await self._sh(
+                    backend, forked.id, "cat /tmp/f2; test -e /tmp/f1 || echo gone"
+                )
+                assert out == b"2\ngone\n", out
+            finally:
+                await backend.destroy(SandboxRef(sandbox_id=forked.id))
+        await backend.restore(RestoreRequest(sandbox_id=sandbox, snapshot_id=s1.id))
+        assert await self._sh(backend, sandbox, "cat /tmp/f1; test -e /tmp/f2 || echo none") == (
+            b"1\nnone\n"
+        )
+        await backend.restore(RestoreRequest(sandbox_id=sandbox))  # the clean state
+        assert await self._sh(backend, sandbox, "ls /tmp | wc -l") == b"0\n"
+
+    async def test_fs_diff(self, backend: Backend, sandbox: str) -> None:
+        self.need(backend, "fs_diff")
+        await self._sh(backend, sandbox, "echo x > /tmp/new")
+        snap = (
+            await backend.snapshot(SnapshotRequest(sandbox_id=sandbox))
+            if (backend.capabilities.snapshot)
+            else None
+        )
+        await self._sh(backend, sandbox, "echo y > /tmp/later; echo z >> /tmp/new")
+        diff = await backend.fs_diff(FsDiffRequest(sandbox_id=sandbox))
+        assert {"/tmp/new", "/tmp/later"} <= set(diff.added), diff
+        if snap is not None:
+            since = await backend.fs_diff(FsDiffRequest(sandbox_id=sandbox, since=snap.id))
+            assert since.added == ["/tmp/later"] and since.modified == ["/tmp/new"], since
+        await self._sh(backend, sandbox, "rm /tmp/new")
+        after = await backend.fs_diff(
+            FsDiffRequest(sandbox_id=sandbox, since=snap.id if snap else None)
+        )
+        assert "/tmp/new" in (after.deleted if snap else []) or "/tmp/new" not in after.added

@@ -23,10 +23,12 @@ from pydantic import ValidationError
 from dsec_kernel import __version__, bus, errors
 from dsec_kernel.backend import Backend, BackendContext, ExecCall, SandboxRef
 from dsec_kernel.config import EdgeSettings
+from dsec_kernel.history import History
 from dsec_kernel.plugins import Hooks, PluginLoadError, discover, load_drivers
 from dsec_kernel.state import ClusterState
 from dsec_kernel.wire import (
     BackendInfo,
+    CommandRecord,
     DestroyRequest,
     DestroyResponse,
     EdgeCreateRequest,
@@ -37,10 +39,19 @@ from dsec_kernel.wire import (
     ExecResult,
     Failure,
     FncallRequest,
+    FsDiff,
+    FsDiffRequest,
+    HistoryRequest,
+    HistoryResponse,
+    LayerInfo,
     NodeInfo,
     NodeLoad,
+    PublishRequest,
     ReadFileRequest,
+    RestoreRequest,
     SandboxInfo,
+    SnapshotInfo,
+    SnapshotRequest,
     WriteFileRequest,
     fit_results,
     shell_argv,
@@ -136,6 +147,7 @@ class Edge:
 
     async def start(self) -> None:
         self.state = await ClusterState.open(self.nc, replicas=self.settings.kv_replicas)
+        self.history = History(self.settings.state_dir / "history")
         for name, backend in self.backends.items():
             self.hooks.register(backend)
             state_dir = self.settings.state_dir / "backends" / name
@@ -156,6 +168,11 @@ class Edge:
             "fncall": self._fncall,
             "file.read": self._read_file,
             "file.write": self._write_file,
+            "snapshot": self._snapshot,
+            "restore": self._restore,
+            "fs_diff": self._fs_diff,
+            "history": self._history,
+            "publish": self._publish,
         }
         _, self._drain = await bus.serve(
             self.nc,
@@ -332,6 +349,7 @@ class Edge:
     ) -> None:
         await self.backends[backend].destroy(SandboxRef(sandbox_id=sandbox_id))
         self._remove(sandbox_id)
+        self.history.forget(sandbox_id)
         if info is not None:
             await self.hooks.sandbox_destroyed(info, reason)
 
@@ -357,12 +375,26 @@ class Edge:
                 max_output_bytes=r.max_output_bytes,
             )
             self.running_execs += 1
+            started = time.time()
             try:
                 result = await backend.exec(call)
             finally:
                 self.running_execs -= 1
         except errors.DsecError as exc:
             return ExecResult(sandbox_id=sandbox_id, exit_code=-1, error=exc.to_wire())
+        self.history.record(
+            sandbox_id,
+            CommandRecord(
+                argv=call.argv,
+                started_at=started,
+                duration_s=result.duration_s,
+                exit_code=result.exit_code,
+                timed_out=result.timed_out,
+                truncated=result.truncated,
+                stdout_bytes=len(result.stdout),
+                stderr_bytes=len(result.stderr),
+            ),
+        )
         await self._report(sandbox_id, result)
         return result
 
@@ -402,6 +434,32 @@ class Edge:
     async def _write_file(self, req: bus.Request):
         r = WriteFileRequest.model_validate_json(req.data)
         return await self._sandbox(r.sandbox_id)[1].write_file(r)
+
+    async def _snapshot(self, req: bus.Request) -> SnapshotInfo:
+        r = SnapshotRequest.model_validate_json(req.data)
+        return await self._sandbox(r.sandbox_id)[1].snapshot(r)
+
+    async def _restore(self, req: bus.Request) -> SandboxInfo:
+        r = RestoreRequest.model_validate_json(req.data)
+        info, backend = self._sandbox(r.sandbox_id)
+        await backend.restore(r)
+        return info
+
+    async def _fs_diff(self, req: bus.Request) -> FsDiff:
+        r = FsDiffRequest.model_validate_json(req.data)
+        return await self._sandbox(r.sandbox_id)[1].fs_diff(r)
+
+    async def _history(self, req: bus.Request) -> HistoryResponse:
+        r = HistoryRequest.model_validate_json(req.data)
+        self._sandbox(r.sandbox_id)
+        return HistoryResponse(commands=self.history.read(r.sandbox_id))
+
+    async def _publish(self, req: bus.Request) -> LayerInfo:
+        r = PublishRequest.model_validate_json(req.data)
+        backend = next((b for b in self.backends.values() if b.capabilities.snapshot), None)
+        if backend is None:
+            raise errors.Unsupported(f"no backend on {self.node} keeps snapshots")
+        return await backend.publish(r)
 
 
 def _plugin_version(backend: Backend) -> str:

@@ -14,14 +14,21 @@ from dsec_kernel.connection import resolve
 from dsec_kernel.wire import (
     DEFAULT_MAX_OUTPUT,
     MAX_BATCH,
+    CommandRecord,
     CreateRequest,
     CreateResponse,
     DestroyRequest,
     DestroyResponse,
+    Env,
     ExecRequest,
     ExecResponse,
     ExecResult,
     FncallRequest,
+    FsDiff,
+    FsDiffRequest,
+    HistoryRequest,
+    HistoryResponse,
+    LayerInfo,
     Limits,
     ListRequest,
     ListResponse,
@@ -29,16 +36,20 @@ from dsec_kernel.wire import (
     NodeInfo,
     NodesRequest,
     NodesResponse,
+    PublishRequest,
     ReadFileRequest,
     ReadFileResponse,
+    RestoreRequest,
     SandboxInfo,
     SandboxSpec,
+    SnapshotInfo,
+    SnapshotRequest,
     StatusRequest,
     WriteFileRequest,
     WriteFileResponse,
 )
 
-__all__ = ["AsyncClient", "Sandbox"]
+__all__ = ["AsyncClient", "Sandbox", "Snapshot"]
 
 M = TypeVar("M", bound=BaseModel)
 #: seconds the client waits beyond a command's own timeout
@@ -60,6 +71,28 @@ def _raise_for(result: ExecResult) -> ExecResult:
             result.error.message, retryable=result.error.retryable
         )
     return result
+
+
+class Snapshot:
+    """A sandbox's files at one moment (see :meth:`Sandbox.snapshot`)."""
+
+    def __init__(self, info: SnapshotInfo) -> None:
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.info.sandbox_id
+
+    @property
+    def parent(self) -> str | None:
+        return self.info.parent
+
+    def __repr__(self) -> str:
+        return f"<Snapshot {self.id} of {self.sandbox_id} depth {self.info.depth}>"
 
 
 class Sandbox:
@@ -136,6 +169,37 @@ class Sandbox:
         """Destroy the sandbox. Idempotent."""
         await self._client.destroy([self])
 
+    async def snapshot(self, *, keep: bool = False) -> Snapshot:
+        """Record the sandbox's files now (incrementally; processes keep running).
+
+        A snapshot lives while anything uses it (this sandbox, sandboxes restored or forked
+        from it, later snapshots built on it), or for good with ``keep``.
+        """
+        req = _model(SnapshotRequest, sandbox_id=self.id, keep=keep)
+        return Snapshot(await self._client._call("snapshot", req, SnapshotInfo))
+
+    async def restore(self, snapshot: Snapshot | str | None) -> None:
+        """Put the sandbox back exactly as at ``snapshot``: its files, and no process started
+        after it. ``None`` restores the state it was created in (see :meth:`reset`)."""
+        sid = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
+        req = _model(RestoreRequest, sandbox_id=self.id, snapshot_id=sid)
+        self.info = await self._client._call("restore", req, SandboxInfo)
+
+    async def reset(self) -> None:
+        """Back to the clean state the sandbox was created in (for reuse from a pool)."""
+        await self.restore(None)
+
+    async def fs_diff(self, since: Snapshot | str | None = None) -> FsDiff:
+        """Paths added, modified and deleted since creation, or since ``since``."""
+        sid = since.id if isinstance(since, Snapshot) else since
+        req = _model(FsDiffRequest, sandbox_id=self.id, since=sid)
+        return await self._client._call("fs_diff", req, FsDiff)
+
+    async def commands(self) -> list[CommandRecord]:
+        """Every command run in the sandbox, in order: argv, exit code, duration, bytes out."""
+        req = _model(HistoryRequest, sandbox_id=self.id)
+        return (await self._client._call("history", req, HistoryResponse)).commands
+
     async def __aenter__(self) -> Sandbox:
         return self
 
@@ -199,24 +263,39 @@ class AsyncClient:
         self,
         count: int = 1,
         *,
-        backend: str = "fncall",
+        backend: str | None = None,
+        env: Env | None = None,
         ttl: float | None = None,
         limits: Limits | None = None,
         labels: dict[str, str] | None = None,
+        network: str = "none",
+        from_snapshot: Snapshot | None = None,
         progress: Progress | None = None,
         batch_size: int = 500,
         concurrency: int = 4,
     ) -> list[Sandbox]:
         """Create ``count`` sandboxes alike, in batches of ``batch_size`` (one request each).
 
-        All are created or none: if a batch fails the others are destroyed and its error is
-        raised. ``ttl``: seconds until the platform destroys them. ``progress(done, total)``
-        is called as batches complete.
+        ``backend`` defaults to the snapshot's with ``from_snapshot`` (a fork: each starts with
+        the snapshot's files), else ``fncall``. ``env`` names the layers to compose
+        (container and VM backends); ``network`` is ``none`` or ``egress``. All are created
+        or none: if a batch fails the others are destroyed and its error is raised. ``ttl``:
+        seconds until the platform destroys them. ``progress(done, total)`` is called as
+        batches complete.
         """
         if count < 1:
             raise errors.InvalidArgument(f"count must be at least 1, not {count}")
+        if backend is None:
+            backend = from_snapshot.info.backend if from_snapshot else "fncall"
         spec = _model(
-            SandboxSpec, backend=backend, ttl_s=ttl, limits=limits or Limits(), labels=labels or {}
+            SandboxSpec,
+            backend=backend,
+            ttl_s=ttl,
+            limits=limits or Limits(),
+            labels=labels or {},
+            env=env,
+            network=network,
+            snapshot=from_snapshot.id if from_snapshot else None,
         )
         size = max(1, min(batch_size, MAX_BATCH))
         batches = [min(size, count - i) for i in range(0, count, size)]
@@ -264,6 +343,15 @@ class AsyncClient:
             )
             destroyed += resp.destroyed
         return destroyed
+
+    async def publish(
+        self, snapshot: Snapshot | str, *, kind: str, name: str, version: str
+    ) -> LayerInfo:
+        """Make a snapshot a layer (``name:version`` of ``kind``) for later sandboxes' ``env``:
+        a workspace or toolkit holds everything above the sandbox's base; a base, everything."""
+        sid = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
+        req = _model(PublishRequest, snapshot_id=sid, kind=kind, name=name, version=version)
+        return await self._call("publish", req, LayerInfo, self.timeout * 10)
 
     async def nodes(self) -> list[NodeInfo]:
         """Every node the cluster knows, with its backends and last heartbeat."""

@@ -75,6 +75,11 @@ class SyncSandbox:
     read_file = _sync(Sandbox.read_file)
     status = _sync(Sandbox.status)
     destroy = _sync(Sandbox.destroy)
+    snapshot = _sync(Sandbox.snapshot)
+    restore = _sync(Sandbox.restore)
+    reset = _sync(Sandbox.reset)
+    fs_diff = _sync(Sandbox.fs_diff)
+    commands = _sync(Sandbox.commands)
 
     def __enter__(self) -> SyncSandbox:
         return self
@@ -109,6 +114,7 @@ class Client:
     nodes = _sync(AsyncClient.nodes)
     exec_many = _sync(AsyncClient.exec_many)
     fncall = _sync(AsyncClient.fncall)
+    publish = _sync(AsyncClient.publish)
 
     def close(self) -> None:
         """Disconnect and stop the client's event loop. Idempotent."""

@@ -27,9 +27,10 @@ class Capabilities(BaseModel):
     fncall_languages: list[str] = Field(
         default_factory=list, description="languages served by stateless fncall"
     )
-    snapshot: bool = False
-    restore: bool = False
-    fork: bool = False
+    snapshot: bool = Field(False, description="snapshot, and restore to its snapshots")
+    restore: bool = Field(False, description="restore to a snapshot or to its clean state")
+    fork: bool = Field(False, description="create sandboxes from a snapshot")
+    fs_diff: bool = Field(False, description="report changed paths")
     pause: bool = False
     isolation: list[str] = Field(
         default_factory=list, description="mechanisms used, e.g. pid, mnt, net, seccomp, rlimits"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,6 +18,7 @@ __all__ = [
     "EdgeCreateRequest",
     "EdgeCreateResponse",
     "EdgeSandbox",
+    "Env",
     "Failure",
     "Limits",
     "ListRequest",
@@ -44,6 +45,31 @@ class Limits(BaseModel):
     file_size_mb: int | None = Field(None, ge=1, le=1 << 20, description="largest file written")
 
 
+LayerRef = Annotated[
+    str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}:[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+]
+
+
+class Env(BaseModel):
+    """An environment: layers (``name:version``) composed when the sandbox starts, the base
+    lowest, then the workspace, then the toolkits in order (later ones win)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base: LayerRef
+    workspace: LayerRef | None = None
+    toolkits: list[LayerRef] = Field(default_factory=list, max_length=16)
+
+    def refs(self) -> list[tuple[str, str]]:
+        """(kind, name:version) from the top layer down."""
+        top = [("toolkit", t) for t in reversed(self.toolkits)]
+        return [
+            *top,
+            *([("workspace", self.workspace)] if self.workspace else []),
+            ("base", self.base),
+        ]
+
+
 class SandboxSpec(BaseModel):
     """What to create. Backends read only the fields they understand."""
 
@@ -55,6 +81,13 @@ class SandboxSpec(BaseModel):
     )
     limits: Limits = Field(default_factory=Limits)
     labels: dict[str, str] = Field(default_factory=dict, max_length=64)
+    env: Env | None = Field(None, description="layers to compose (container, VM backends)")
+    network: Literal["none", "egress"] = Field(
+        "none", description="none: no interface but lo; egress: a veth to the node's bridge"
+    )
+    snapshot: str | None = Field(
+        None, pattern=r"^snap-[0-9a-f]{16}$", description="start from this snapshot (fork)"
+    )
 
 
 class SandboxInfo(BaseModel):
