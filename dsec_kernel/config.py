@@ -16,7 +16,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dsec_kernel.wire import NAME_PATTERN
 
-__all__ = ["ApiSettings", "EdgeSettings", "default_node_name", "default_state_dir"]
+__all__ = [
+    "ApiSettings",
+    "EdgeSettings",
+    "StorageSettings",
+    "default_node_name",
+    "default_state_dir",
+]
 
 
 def default_state_dir() -> Path:
@@ -66,3 +72,14 @@ class EdgeSettings(_Common):
     )
     create_concurrency: int = Field(64, ge=1, description="sandboxes created at once per backend")
     reconcile_s: float = Field(60.0, gt=0, description="interval between reconciliations")
+
+
+class StorageSettings(BaseSettings):
+    """The layer store every process on a node uses (backends, ``dsec layer``)."""
+
+    model_config = SettingsConfigDict(env_prefix="DSEC_", env_nested_delimiter="__", extra="ignore")
+
+    storage: str = Field("3fs", description="the dsec.storage driver")
+    storage_config: dict[str, Any] = Field(
+        default_factory=dict, description="its configuration, e.g. DSEC_STORAGE_CONFIG__ROOT"
+    )

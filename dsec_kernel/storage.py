@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_kernel.backend import NoConfig
 
-__all__ = ["KINDS", "GcReport", "Layer", "LayerStore", "LayerUsage", "Progress"]
+__all__ = ["KINDS", "GcReport", "Layer", "LayerStore", "LayerUsage", "Progress", "open_store"]
 
 KINDS = ("base", "workspace", "toolkit")
 Kind = Literal["base", "workspace", "toolkit"]
@@ -131,3 +131,35 @@ class LayerStore(abc.ABC):
     @abc.abstractmethod
     def usage(self, digest: str) -> LayerUsage:
         """Bytes of the image this node has read (page cache residency), and its size."""
+
+    @abc.abstractmethod
+    def mounted(self) -> dict[str, Path]:
+        """digest -> mount point of every image mounted on this node."""
+
+    @abc.abstractmethod
+    def adopt(self, node: str) -> dict[str, list[str]]:
+        """After a restart on ``node``: take over the mounts still there (with the holds of
+        this node's holders), unmount those nobody holds, forget holds whose image is no
+        longer mounted. Returns digest -> holders adopted."""
+
+
+def open_store(name: str | None = None, config: dict | None = None) -> LayerStore:
+    """The configured layer store (``DSEC_STORAGE``, ``DSEC_STORAGE_CONFIG__*``), or the one
+    given. A missing or broken driver, or a bad configuration, raises PluginLoadError."""
+    from pydantic import ValidationError
+
+    from dsec_kernel.bus import validation_message
+    from dsec_kernel.config import StorageSettings
+    from dsec_kernel.plugins import PluginLoadError, load_drivers
+
+    settings = StorageSettings()
+    name = name or settings.storage
+    cls = load_drivers("dsec.storage", [name])[name].obj
+    try:
+        return cls(
+            cls.Config.model_validate(config if config is not None else settings.storage_config)
+        )
+    except ValidationError as exc:
+        raise PluginLoadError(
+            f"layer store {name!r} configuration is invalid: {validation_message(exc)}"
+        ) from None

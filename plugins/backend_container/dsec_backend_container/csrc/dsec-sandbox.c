@@ -11,13 +11,13 @@
  *     the reason goes to stderr and it exits 1, leaving no process behind.
  *
  *   dsec-sandbox exec --pid PID [--cgroup FILE]... [--uid N] [--gid N] [--cwd DIR]
- *                     [--seccomp FILE] [--pid-fd N] -- ARGV...
+ *                     [--seccomp FILE] [--fsize BYTES] [--status-fd N] -- ARGV...
  *     Joins the cgroups and every namespace of PID (a sandbox's init), forks the command as
- *     a session leader (writing its host PID to --pid-fd, so the caller can kill its process
- *     group), drops capabilities to a container set, sets no_new_privs, loads the seccomp
- *     program, and runs ARGV with this process's environment. Waits for it, forwarding
- *     SIGTERM/SIGINT/SIGHUP to its process group; exits with its status (128+N if killed
- *     by signal N).
+ *     a session leader, drops capabilities to a container set, sets no_new_privs, loads the
+ *     seccomp program, and runs ARGV with this process's environment. On --status-fd it
+ *     writes "pid <host pid>\n" when the command starts (its process group, for the caller to
+ *     kill) and "status <wait status>\n" when it ends. Forwards SIGTERM/SIGINT/SIGHUP to the
+ *     process group. Exits 0 once the command has ended, 1 if it could not start it.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -35,6 +35,7 @@
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -45,6 +46,8 @@
 #include <unistd.h>
 
 #define MAX_CGROUPS 16
+
+static char *args_start, *args_end; /* our command line, rewritten by init to hide host paths */
 
 static void die(const char *fmt, ...) {
     va_list ap;
@@ -196,6 +199,8 @@ static int cmd_init(int argc, char **argv) {
         close(sync[0]);
         if (ready_fd > 2) close(ready_fd);
         setup_root(rootfs, lower, upper, work, host);
+        memset(args_start, 0, args_end - args_start);
+        strcpy(args_start, "init");
         if (write(sync[1], "1", 1) != 1) _exit(1);
         close(sync[1]);
         _exit(init_loop());
@@ -252,14 +257,20 @@ static void drop_capabilities(void) {
     if (syscall(SYS_capset, &hdr, data) < 0) die("capset");
 }
 
-static void load_seccomp(const char *path) {
+static struct sock_filter prog[4096];
+
+/* read before entering the sandbox: the file is on the host */
+static unsigned short read_seccomp(const char *path) {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) die("open %s", path);
-    static struct sock_filter prog[4096];
     ssize_t n = read(fd, prog, sizeof prog);
     close(fd);
     if (n <= 0 || n % sizeof prog[0]) die("bad seccomp program %s", path);
-    struct sock_fprog fprog = {(unsigned short)(n / sizeof prog[0]), prog};
+    return (unsigned short)(n / sizeof prog[0]);
+}
+
+static void load_seccomp(unsigned short len) {
+    struct sock_fprog fprog = {len, prog};
     if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog, 0, 0) < 0) die("load seccomp");
 }
 
@@ -267,7 +278,7 @@ static int cmd_exec(int argc, char **argv) {
     const char *cwd = "/", *seccomp = NULL;
     char *cgroups[MAX_CGROUPS];
     int ncg = 0, pid_fd = -1;
-    long uid = -1, gid = -1;
+    long uid = -1, gid = -1, fsize = -1;
     pid_t target = 0;
     int i = 0;
     for (; i < argc && strcmp(argv[i], "--"); i++) {
@@ -278,7 +289,8 @@ static int cmd_exec(int argc, char **argv) {
         else if (!strcmp(a, "--gid")) gid = atol(v);
         else if (!strcmp(a, "--cwd")) cwd = v;
         else if (!strcmp(a, "--seccomp")) seccomp = v;
-        else if (!strcmp(a, "--pid-fd")) pid_fd = atoi(v);
+        else if (!strcmp(a, "--status-fd")) pid_fd = atoi(v);
+        else if (!strcmp(a, "--fsize")) fsize = atol(v);
         else if (!strcmp(a, "--cgroup") && ncg < MAX_CGROUPS) cgroups[ncg++] = (char *)v;
         else die("unknown option %s", a);
         i++;
@@ -286,6 +298,7 @@ static int cmd_exec(int argc, char **argv) {
     errno = 0;
     if (i >= argc - 1 || target <= 0) die("exec needs --pid PID -- ARGV");
     char **cmd = argv + i + 1;
+    unsigned short filter_len = seccomp ? read_seccomp(seccomp) : 0;
     join_cgroups(cgroups, ncg);
     static const struct { const char *name; int type; } ns[] = {
         {"ipc", CLONE_NEWIPC}, {"uts", CLONE_NEWUTS}, {"net", CLONE_NEWNET},
@@ -315,18 +328,21 @@ static int cmd_exec(int argc, char **argv) {
             fprintf(stderr, "dsec: cannot enter %s: %s\n", cwd, strerror(errno));
             _exit(126);
         }
+        if (fsize >= 0) {
+            struct rlimit rl = {(rlim_t)fsize, (rlim_t)fsize};
+            if (setrlimit(RLIMIT_FSIZE, &rl) < 0) die("limit file size");
+        }
         drop_capabilities();
         if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die("no_new_privs");
-        if (seccomp) load_seccomp(seccomp);
+        if (filter_len) load_seccomp(filter_len);
         execvp(cmd[0], cmd);
         fprintf(stderr, "dsec: cannot run %s: %s\n", cmd[0], strerror(errno));
         _exit(errno == ENOENT ? 127 : 126);
     }
+    char out[48];
     if (pid_fd >= 0) {
-        char out[32];
-        int n = snprintf(out, sizeof out, "%d\n", child);
+        int n = snprintf(out, sizeof out, "pid %d\n", child);
         if (write(pid_fd, out, n) != n) { /* the caller stopped listening: carry on */ }
-        close(pid_fd);
     }
     struct sigaction sa = {0};
     sa.sa_handler = forward;
@@ -336,10 +352,16 @@ static int cmd_exec(int argc, char **argv) {
     int status;
     while (waitpid(child, &status, 0) < 0)
         if (errno != EINTR) die("wait");
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (pid_fd >= 0) {
+        int n = snprintf(out, sizeof out, "status %d\n", status);
+        if (write(pid_fd, out, n) != n) { /* gone */ }
+    }
+    return 0;
 }
 
 int main(int argc, char **argv) {
+    args_start = argv[0];
+    args_end = argv[argc - 1] + strlen(argv[argc - 1]) + 1;
     if (argc >= 2 && !strcmp(argv[1], "init")) return cmd_init(argc - 2, argv + 2);
     if (argc >= 2 && !strcmp(argv[1], "exec")) return cmd_exec(argc - 2, argv + 2);
     fprintf(stderr, "usage: dsec-sandbox init|exec ... (see the source's header)\n");

@@ -1,0 +1,93 @@
+"""Where a container sandbox keeps its state on the node, and what it records about itself.
+
+``<state>/sandboxes/<id>/``: ``meta.json`` (:class:`Meta`), ``upper/`` and ``work/`` (the
+overlay's writable layer, on local disk) and ``rootfs/`` (the mount point, used only inside
+the sandbox's own mount namespace). Nothing is mounted in the host's namespace per sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec_kernel.wire import Limits
+
+__all__ = ["Meta", "SandboxDir", "process_start"]
+
+
+class Meta(BaseModel):
+    """A sandbox's own record, enough to adopt it after an edge restart."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    tenant: str
+    created_at: float
+    layers: list[str] = Field(description="digests of its environment's layers, top first")
+    chain: list[str] = Field(
+        default_factory=list, description="snapshots its files start from, newest first"
+    )
+    origin: list[str] = Field(default_factory=list, description="the chain it was created on")
+    last_snapshot: str | None = Field(None, description="the next snapshot's parent")
+    upper_since: str | None = Field(
+        None, description="the snapshot whose manifest describes the upper (None: it started empty)"
+    )
+    held: list[str] = Field(default_factory=list, description="its own snapshots, which it holds")
+    address: str | None = Field(None, description="its egress address")
+    limits: Limits = Field(default_factory=Limits)
+    network: str = "none"
+    init_pid: int = 0
+    init_start: int = Field(0, description="the init's start time (clock ticks), against pid reuse")
+
+
+class SandboxDir:
+    """The files of one sandbox on this node."""
+
+    def __init__(self, root: Path, sandbox_id: str) -> None:
+        self.id = sandbox_id
+        self.path = root / sandbox_id
+        self.meta_file = self.path / "meta.json"
+        self.upper = self.path / "upper"
+        self.work = self.path / "work"
+        self.rootfs = self.path / "rootfs"
+
+    def exists(self) -> bool:
+        return self.meta_file.exists()
+
+    def create(self) -> None:
+        self.path.mkdir(mode=0o700)
+        for d in (self.upper, self.work, self.rootfs):
+            d.mkdir()
+
+    def read(self) -> Meta:
+        return Meta.model_validate_json(self.meta_file.read_text())
+
+    def write(self, meta: Meta) -> None:
+        tmp = self.meta_file.with_suffix(".tmp")
+        tmp.write_text(meta.model_dump_json())
+        tmp.replace(self.meta_file)
+
+    def fresh_upper(self) -> None:
+        """Replace the writable layer with an empty one (the old one is removed)."""
+        trash = self.path / f".trash-{os.getpid()}-{id(self)}"
+        for d in (self.upper, self.work):
+            if d.exists():
+                d.rename(trash)
+                shutil.rmtree(trash, ignore_errors=True)
+            d.mkdir()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def process_start(pid: int) -> int | None:
+    """A live process's start time (clock ticks since boot); None if it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])

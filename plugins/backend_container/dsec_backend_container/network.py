@@ -1,0 +1,120 @@
+"""Egress for sandboxes that ask for it: a per-node bridge with NAT, and per sandbox a network
+namespace (kept alive by a bind mount of its nsfs file) joined to the bridge by a veth.
+
+Sandboxes without egress get none of this: their init makes a namespace with only ``lo``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+from pyroute2 import IPRoute
+
+from dsec_kernel import errors, linux
+
+__all__ = ["Egress"]
+
+BRIDGE = "dsec0"
+
+
+class Egress:
+    """Addresses come from ``subnet``; the bridge takes the first one."""
+
+    def __init__(self, subnet: str = "10.213.0.0/16") -> None:
+        self.net = ipaddress.ip_network(subnet)
+        self.gateway = next(self.net.hosts())
+        self.used: set[str] = set()
+        self._bridge_ready = False
+
+    def _ensure_bridge(self) -> None:
+        if self._bridge_ready:
+            return
+        with IPRoute() as ip:
+            if not ip.link_lookup(ifname=BRIDGE):
+                ip.link("add", ifname=BRIDGE, kind="bridge")
+            idx = ip.link_lookup(ifname=BRIDGE)[0]
+            have = {a.get_attr("IFA_ADDRESS") for a in ip.get_addr(index=idx)}
+            if str(self.gateway) not in have:
+                ip.addr("add", index=idx, address=str(self.gateway), prefixlen=self.net.prefixlen)
+            ip.link("set", index=idx, state="up")
+        Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
+        if shutil.which("iptables"):
+            rule = ["-t", "nat", "POSTROUTING", "-s", str(self.net), "!", "-o", BRIDGE,
+                    "-j", "MASQUERADE"]  # fmt: skip
+            if subprocess.run(["iptables", "-C", *rule], capture_output=True).returncode != 0:
+                subprocess.run(["iptables", "-A", *rule], capture_output=True, check=False)
+        self._bridge_ready = True
+
+    def _address(self, sandbox_id: str) -> str:
+        hosts = self.net.num_addresses - 2
+        n = int(hashlib.sha256(sandbox_id.encode()).hexdigest(), 16)
+        for i in range(hosts):
+            addr = str(self.net.network_address + 2 + (n + i) % (hosts - 1))
+            if addr not in self.used:
+                self.used.add(addr)
+                return addr
+        raise errors.CapacityExceeded(f"no free address in {self.net} for egress")
+
+    def create(self, sandbox_id: str, nsfile: Path) -> str:
+        """Make the sandbox's network namespace at ``nsfile`` with a veth to the bridge;
+        returns its address. Leaves nothing behind on failure."""
+        self._ensure_bridge()
+        addr = self._address(sandbox_id)
+        host_if = "dsv" + sandbox_id[3:14]
+        try:
+            _new_netns(nsfile)
+            with IPRoute() as ip:
+                ip.link("add", ifname=host_if, kind="veth",
+                        peer={"ifname": "eth0", "net_ns_fd": str(nsfile)})  # fmt: skip
+                idx = ip.link_lookup(ifname=host_if)[0]
+                ip.link("set", index=idx, master=ip.link_lookup(ifname=BRIDGE)[0], state="up")
+            with IPRoute(netns=str(nsfile)) as ns:
+                eth = ns.link_lookup(ifname="eth0")[0]
+                ns.addr("add", index=eth, address=addr, prefixlen=self.net.prefixlen)
+                ns.link("set", index=eth, state="up")
+                ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+                ns.route("add", dst="default", gateway=str(self.gateway))
+        except Exception as exc:
+            self.remove(sandbox_id, nsfile, addr)
+            raise errors.Unavailable(f"cannot give {sandbox_id} egress: {exc}") from exc
+        return addr
+
+    def remove(self, sandbox_id: str, nsfile: Path, addr: str | None) -> None:
+        """Undo :meth:`create` (the veth goes with the namespace). Idempotent."""
+        try:
+            linux.umount(str(nsfile), linux.MNT_DETACH)
+        except OSError:
+            pass
+        try:
+            nsfile.unlink()
+        except FileNotFoundError:
+            pass
+        self.used.discard(addr or "")
+
+
+def _new_netns(nsfile: Path) -> None:
+    """A new network namespace, kept by a bind mount on ``nsfile`` (made in a short-lived
+    thread: namespaces belong to threads, so the edge's own stay untouched)."""
+    nsfile.touch()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            linux.unshare(linux.CLONE_NEWNET)
+            linux.mount(f"/proc/self/task/{threading.get_native_id()}/ns/net", str(nsfile), None,
+                        linux.MS_BIND)  # fmt: skip
+        except BaseException as exc:
+            failure.append(exc)
+
+    t = threading.Thread(target=run, name="dsec-netns")
+    t.start()
+    t.join()
+    if failure:
+        os.unlink(nsfile)
+        raise failure[0]

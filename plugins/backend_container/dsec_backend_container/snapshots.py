@@ -1,0 +1,246 @@
+"""Incremental snapshots of sandboxes' writable layers, kept in the layer store (so any node
+can restore or fork from them).
+
+``<store>/snapshots/<id>/``::
+
+    meta.json      SnapshotMeta
+    delta/         what changed since the parent snapshot, in overlay upper format
+    manifest.json  the sandbox's upper as it was when taken: the base of its next increment
+    holds/         one empty file per holder: a sandbox whose files build on it
+                   (``sb.<node>.<id>``) or a later snapshot (``snap.<id>``)
+
+A chain deeper than ``max_depth`` is compacted: the new snapshot's delta then holds the whole
+chain merged (depth 1). A snapshot nothing holds, not kept, and unused for ``grace_s`` is
+collected; restoring or forking first takes a hold, then checks the snapshot is still there,
+and collection re-checks holds after moving a snapshot aside, so the two cannot race.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec_backend_container.overlay import Entry, apply, copy_entry, scan, whiteout
+from dsec_kernel import errors
+
+__all__ = ["SnapshotMeta", "Snapshots"]
+
+
+class SnapshotMeta(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    tenant: str
+    sandbox_id: str
+    backend: str
+    parent: str | None
+    depth: int
+    created_at: float
+    bytes: int = 0
+    keep: bool = False
+    layers: list[str] = Field(description="digests of the environment it applies to, top first")
+
+
+class Snapshots:
+    def __init__(self, root: Path, max_depth: int = 16, grace_s: float = 60.0) -> None:
+        self.root = root
+        self.max_depth = max_depth
+        self.grace_s = grace_s
+        root.mkdir(parents=True, exist_ok=True)
+
+    def _dir(self, snap_id: str) -> Path:
+        return self.root / snap_id
+
+    def get(self, snap_id: str, tenant: str | None = None) -> SnapshotMeta:
+        """The snapshot's record; NotFound if missing or another tenant's."""
+        try:
+            meta = SnapshotMeta.model_validate_json((self._dir(snap_id) / "meta.json").read_text())
+        except (FileNotFoundError, NotADirectoryError):
+            meta = None
+        if meta is None or (tenant is not None and meta.tenant != tenant):
+            raise errors.NotFound(f"no snapshot {snap_id} (deleted, or not yours)")
+        return meta
+
+    def chain(self, snap_id: str, tenant: str | None = None) -> list[SnapshotMeta]:
+        """The snapshot and its ancestors, newest first."""
+        out = [self.get(snap_id, tenant)]
+        while out[-1].parent:
+            out.append(self.get(out[-1].parent))
+        return out
+
+    def deltas(self, chain: list[str]) -> list[Path]:
+        return [self._dir(s) / "delta" for s in chain]
+
+    def manifest(self, snap_id: str | None) -> dict[str, Entry]:
+        if snap_id is None:
+            return {}
+        data = json.loads((self._dir(snap_id) / "manifest.json").read_text())
+        return {k: Entry.from_list(v) for k, v in data.items()}
+
+    # -- holds ---------------------------------------------------------------------------------
+
+    def hold(self, chain: list[str], holder: str) -> None:
+        """Hold every snapshot of ``chain``; NotFound (holding nothing) if one is gone."""
+        taken = []
+        try:
+            for snap in chain:
+                d = self._dir(snap)
+                (d / "holds" / holder).touch()
+                os.utime(d)  # "used now": collection waits grace_s after this
+                taken.append(snap)
+                if not (d / "meta.json").exists():
+                    raise FileNotFoundError(snap)
+        except FileNotFoundError:
+            self.release(taken, holder)
+            raise errors.NotFound(f"snapshot {chain[len(taken)]} is gone") from None
+
+    def release(self, chain: list[str], holder: str) -> None:
+        for snap in chain:
+            try:
+                os.unlink(self._dir(snap) / "holds" / holder)
+            except FileNotFoundError:
+                pass
+
+    # -- taking ----------------------------------------------------------------------------------
+
+    def take(
+        self,
+        upper: Path,
+        *,
+        tenant: str,
+        sandbox_id: str,
+        backend: str,
+        layers: list[str],
+        parent: str | None,
+        baseline: str | None,
+        keep: bool,
+    ) -> SnapshotMeta:
+        """Snapshot ``upper``: what changed since ``baseline``'s manifest (None: all of it),
+        on top of ``parent``'s chain. The caller keeps the upper still meanwhile."""
+        snap_id = "snap-" + secrets.token_hex(8)
+        tmp = self.root / f".tmp-{snap_id}"
+        (tmp / "holds").mkdir(parents=True)
+        try:
+            now = scan(upper)
+            before = self.manifest(baseline)
+            chain = [c.id for c in self.chain(parent)] if parent else []
+            (tmp / "delta").mkdir()
+            if parent and len(chain) >= self.max_depth:  # compact: the whole chain, merged
+                for delta in reversed(self.deltas(chain)):
+                    apply(delta, tmp / "delta")
+                _copy_changes(upper, now, before, tmp / "delta", merge=True)
+                parent, depth = None, 1
+                size = _tree_bytes(tmp / "delta")
+            else:
+                size = _copy_changes(upper, now, before, tmp / "delta")
+                depth = len(chain) + 1
+            (tmp / "manifest.json").write_text(json.dumps({k: v.as_list() for k, v in now.items()}))
+            meta = SnapshotMeta(
+                id=snap_id, tenant=tenant, sandbox_id=sandbox_id, backend=backend, parent=parent,
+                depth=depth, created_at=time.time(), bytes=size, keep=keep, layers=layers,
+            )  # fmt: skip
+            (tmp / "meta.json").write_text(meta.model_dump_json())
+            if parent:
+                self.hold([c.id for c in self.chain(parent)], f"snap.{snap_id}")
+            tmp.rename(self._dir(snap_id))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return meta
+
+    # -- collecting ------------------------------------------------------------------------------
+
+    def gc(self) -> list[str]:
+        """Delete snapshots nothing holds, not kept, unused for ``grace_s``; returns their ids."""
+        removed: list[str] = []
+        progress = True
+        while progress:  # deleting a snapshot releases its parents
+            progress = False
+            for d in self.root.glob("snap-*"):
+                try:
+                    meta = SnapshotMeta.model_validate_json((d / "meta.json").read_text())
+                    idle = time.time() - d.stat().st_mtime
+                    held = any((d / "holds").iterdir())
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                if meta.keep or held or idle < self.grace_s:
+                    continue
+                trash = self.root / f".trash-{d.name}"
+                try:
+                    d.rename(trash)
+                except FileNotFoundError:
+                    continue  # another node took it
+                if any((trash / "holds").iterdir()):  # a hold arrived meanwhile: put it back
+                    trash.rename(d)
+                    continue
+                if meta.parent:
+                    self.release([c.id for c in self.chain(meta.parent)], f"snap.{meta.id}")
+                shutil.rmtree(trash, ignore_errors=True)
+                removed.append(meta.id)
+                progress = True
+        return removed
+
+
+def _copy_changes(
+    upper: Path, now: dict[str, Entry], before: dict[str, Entry], delta: Path, merge: bool = False
+) -> int:
+    """Write into ``delta`` what ``upper`` changed since ``before``; returns bytes copied.
+
+    With ``merge``, ``delta`` already holds older changes and is overwritten where needed.
+    """
+    size = 0
+    full_copy: list[str] = []  # directories that became opaque: all they hold is new
+    for rel, e in now.items():
+        old = before.get(rel)
+        inside_full = any(rel.startswith(f + "/") for f in full_copy)
+        if old == e and not inside_full:
+            continue
+        dst = str(delta) + rel
+        _parents(upper, delta, rel)
+        if e.kind == "d":
+            if os.path.isdir(dst) and not os.path.islink(dst) and not e.opaque:
+                continue  # already there (merge), or made as a parent
+            if os.path.lexists(dst):
+                shutil.rmtree(dst) if os.path.isdir(dst) else os.unlink(dst)
+            copy_entry(str(upper) + rel, dst)
+            if e.opaque and (old is None or not old.opaque or merge):
+                full_copy.append(rel)
+            continue
+        if os.path.lexists(dst):
+            shutil.rmtree(dst) if os.path.isdir(dst) and not os.path.islink(dst) else os.unlink(dst)
+        size += copy_entry(str(upper) + rel, dst)
+    gone = [rel for rel in before if rel not in now]
+    for rel in gone:
+        if any(rel.startswith(g + "/") for g in gone if g != rel):
+            continue  # a deleted directory's whiteout covers its contents
+        _parents(upper, delta, rel)
+        dst = Path(str(delta) + rel)
+        if os.path.lexists(dst):
+            shutil.rmtree(dst) if dst.is_dir() and not dst.is_symlink() else dst.unlink()
+        whiteout(dst)
+    return size
+
+
+def _parents(upper: Path, delta: Path, rel: str) -> None:
+    """Make ``rel``'s missing parent directories in ``delta``, as they are in ``upper``."""
+    parts = rel.strip("/").split("/")[:-1]
+    cur = ""
+    for p in parts:
+        cur += "/" + p
+        dst = str(delta) + cur
+        if not os.path.isdir(dst):
+            src = str(upper) + cur
+            if os.path.isdir(src):
+                copy_entry(src, dst, opaque=False)
+            else:
+                os.mkdir(dst, 0o755)
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(e.size for e in scan(root).values() if e.kind == "f")

@@ -1,0 +1,410 @@
+"""The ``3fs`` layer store: EROFS images in a directory every node reaches, mounted on demand.
+
+Store layout, under ``root`` (3FS, CephFS, NFS... or a local disk for one machine)::
+
+    blobs/sha256/<hex>.erofs       images, named by the sha256 of their bytes
+    layers/<name>/<version>.json   catalog records (the Layer model as JSON)
+    holds/<hex>/<holder>           one file per holder of an image; the holder URL-quoted
+                                   ("node-1/sb-7" -> "node-1%2Fsb-7")
+    snapshots/                     backends' snapshots (snapshots_root())
+    tmp/                           imports in progress (same filesystem: the final rename is
+                                   atomic); removed on failure, leftovers of killed imports by
+                                   gc() after a day
+
+Every file is written under a temporary name in its own directory and renamed, so no node
+ever reads a partial file. Node-local, under ``cache_dir``::
+
+    catalog/<name>/<version>.json  copies of records, used while the store file's mtime and
+                                   size are unchanged (records never change in place)
+    mounts/<hex>                   the one read-only mount of each image in use on this node
+
+Concurrency: imports of the same content from several nodes are safe (same digest, same
+record). Two imports of one ``name:version`` with *different* content at the same instant
+both rename their record; the read-back after the rename makes the loser a Conflict unless it
+read back before the winner's rename (a narrow window): import each name:version from one place.
+An image whose record never got written (a failed import) is collected by :meth:`gc` after
+``gc_grace_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dsec_kernel.config import default_state_dir
+from dsec_kernel.errors import Conflict, DsecError, Internal, InvalidArgument, NotFound
+from dsec_kernel.storage import KINDS, GcReport, Kind, Layer, LayerStore, LayerUsage, Progress
+from dsec_storage_3fs import erofs
+from dsec_storage_3fs.build import Built, build_image
+from dsec_storage_3fs.mounts import NodeMounts
+from dsec_storage_3fs.pagecache import resident_bytes
+
+__all__ = ["ThreeFsConfig", "ThreeFsStore"]
+
+_SCHEMA = Layer.model_json_schema()["properties"]
+_NAME = re.compile(_SCHEMA["name"]["pattern"])
+_VERSION = re.compile(_SCHEMA["version"]["pattern"])
+_DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
+_TMP_MAX_AGE_S = 86400.0
+
+
+class ThreeFsConfig(BaseModel):
+    """Settings (``extra="forbid"``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    root: Path = Field(
+        default_factory=lambda: default_state_dir() / "layers",
+        description="the store directory, shared by every node",
+    )
+    cache_dir: Path | None = Field(
+        None, description="node-local record cache and mount points; <state dir>/layer-cache"
+    )
+    compression: str | None = Field(
+        None, description="mkfs.erofs -z (lz4, lz4hc); None: uncompressed, fastest to build"
+    )
+    gc_grace_s: float = Field(
+        600.0, ge=0, description="gc keeps unnamed images younger than this (imports in flight)"
+    )
+
+
+class ThreeFsStore(LayerStore):
+    """Layers as EROFS images in a shared directory; see the module docstring for the layout."""
+
+    name = "3fs"
+    Config = ThreeFsConfig
+
+    def __init__(self, config: ThreeFsConfig | None = None) -> None:
+        super().__init__(config)
+        self.root: Path = self.config.root
+        self.cache_dir: Path = self.config.cache_dir or default_state_dir() / "layer-cache"
+        self._mounts = NodeMounts(self.cache_dir / "mounts")
+        self._sizes: dict[str, int] = {}  # digest -> image size, from records read
+
+    # -- catalog -----------------------------------------------------------------------------
+
+    def import_layer(
+        self, source: str, kind: Kind, name: str, version: str, progress: Progress | None = None
+    ) -> Layer:
+        if kind not in KINDS:
+            raise InvalidArgument(f"layer kind {kind!r} is not one of {', '.join(KINDS)}")
+        _check_ref(name, version)
+        say = progress or (lambda _msg: None)
+        work = None
+        try:
+            (self.root / "tmp").mkdir(parents=True, exist_ok=True)
+            work = Path(tempfile.mkdtemp(prefix="import-", dir=self.root / "tmp"))
+            built = build_image(Path(source), work, self.config.compression, say)
+            existing = self._read_record(name, version)
+            if existing is not None:
+                _same(existing, built.digest, kind)
+            say("publishing")
+            self._publish(built)  # also repairs a blob of the wrong size
+            if existing is not None:
+                return existing
+            layer = Layer(
+                digest=built.digest,
+                kind=kind,
+                name=name,
+                version=version,
+                size=built.size,
+                files=built.files,
+                created_at=time.time(),
+                source=os.path.abspath(source),
+            )
+            _atomic_write(self._record(name, version), layer.model_dump_json(indent=2).encode())
+            final = self._read_record(name, version)  # a concurrent import may have won
+            return _same(final or layer, built.digest, kind)
+        except DsecError:
+            raise
+        except OSError as e:
+            raise Internal(f"importing {source} as {name}:{version} failed: {e}") from e
+        finally:
+            if work is not None:
+                shutil.rmtree(work, ignore_errors=True)
+
+    def list_layers(self) -> list[Layer]:
+        layers = []
+        for path in sorted(self.root.glob("layers/*/*.json")):
+            if not path.name.startswith("."):
+                try:
+                    layers.append(self._parse(path.read_bytes(), path))
+                except FileNotFoundError:  # removed meanwhile
+                    continue
+        return layers
+
+    def resolve(self, name: str, version: str, kind: Kind | None = None) -> Layer:
+        _check_ref(name, version)
+        path = self._record(name, version)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise NotFound(self._missing(name, version)) from None
+        cached = self.cache_dir / "catalog" / name / f"{version}.json"
+        try:
+            cst = cached.stat()
+            fresh = (cst.st_mtime_ns, cst.st_size) == (st.st_mtime_ns, st.st_size)
+            raw = cached.read_bytes() if fresh else None
+        except FileNotFoundError:
+            raw = None
+        if raw is None:
+            raw = path.read_bytes()
+            _atomic_write(cached, raw, mtime_ns=st.st_mtime_ns)
+        layer = self._parse(raw, path)
+        if kind is not None and layer.kind != kind:
+            raise NotFound(f"layer {layer.ref} is a {layer.kind} layer, not a {kind} layer")
+        return layer
+
+    def remove(self, name: str, version: str, force: bool = False) -> Layer:
+        layer = self.resolve(name, version)
+        held = self.holders(layer.digest)
+        shared = any(o.digest == layer.digest and o.ref != layer.ref for o in self.list_layers())
+        if held and not shared and not force:
+            raise Conflict(
+                f"layer {layer.ref} is in use by {', '.join(held)}; remove it once they release "
+                "it, or with force if their nodes are gone (the image stays until its holds go)"
+            )
+        self._record(name, version).unlink(missing_ok=True)
+        (self.cache_dir / "catalog" / name / f"{version}.json").unlink(missing_ok=True)
+        try:
+            self._record(name, version).parent.rmdir()
+        except OSError:  # other versions remain
+            pass
+        return layer
+
+    def gc(self) -> GcReport:
+        """Delete images no record names and nobody holds (older than ``gc_grace_s``), empty
+        hold directories, and temporary files of imports killed over a day ago."""
+        named = {layer.digest for layer in self.list_layers()}
+        now = time.time()
+        report = GcReport()
+        for blob in sorted(self.root.glob("blobs/sha256/*.erofs")):
+            digest = f"sha256:{blob.stem}"
+            if not _DIGEST.match(digest) or digest in named or self.holders(digest):
+                continue
+            try:
+                st = blob.stat()
+                if now - st.st_mtime < self.config.gc_grace_s:
+                    continue
+                blob.unlink()
+            except FileNotFoundError:
+                continue
+            report.removed.append(digest)
+            report.bytes_freed += st.st_size
+        for holds in self.root.glob("holds/*"):
+            try:
+                holds.rmdir()  # only if empty
+            except OSError:
+                pass
+        for leftover in self.root.glob("tmp/*"):
+            with contextlib.suppress(FileNotFoundError):
+                if now - leftover.lstat().st_mtime > _TMP_MAX_AGE_S:
+                    shutil.rmtree(leftover, ignore_errors=True)
+        return report
+
+    def image_path(self, digest: str) -> Path:
+        path = self._blob(digest)
+        if not path.is_file():
+            raise NotFound(
+                f"the image of {digest} is not in the store ({path} is missing); "
+                "import the layer again"
+            )
+        return path
+
+    def snapshots_root(self) -> Path:
+        path = self.root / "snapshots"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    # -- node side ---------------------------------------------------------------------------
+
+    def mount(self, digest: str, holder: str) -> Path:
+        """Mount read-only at ``cache_dir/mounts/<hex>`` (shared by this node's holders) after
+        checking the image: its size against the catalog and the EROFS magic (InvalidArgument
+        if damaged; nothing mounted, no hold left)."""
+        image = self.image_path(digest)
+        hold = self._hold(digest, holder)
+        _atomic_write(hold, json.dumps({"holder": holder, "since": time.time()}).encode())
+        try:
+            return self._mounts.acquire(digest, holder, image, lambda: self._check(digest, image))
+        except BaseException:
+            hold.unlink(missing_ok=True)
+            raise
+
+    def release(self, digest: str, holder: str) -> None:
+        self._hold(digest, holder).unlink(missing_ok=True)
+        self._mounts.release(digest, holder)
+
+    def holders(self, digest: str) -> list[str]:
+        try:
+            names = os.listdir(self.root / "holds" / _hex(digest))
+        except FileNotFoundError:
+            return []
+        return sorted(unquote(n) for n in names if not n.startswith("."))
+
+    def usage(self, digest: str) -> LayerUsage:
+        resident, size = resident_bytes(self.image_path(digest))
+        return LayerUsage(digest=digest, size=size, bytes_read=resident)
+
+    def mounted(self) -> dict[str, Path]:
+        """digest -> mount point of every image of this store mounted on this node."""
+        return self._mounts.mounted()
+
+    def adopt(self, node: str) -> dict[str, list[str]]:
+        """Take over this node's state after its process restarted; call once, before any
+        :meth:`mount`. Holds of ``node`` (holders ``"<node>/..."``) on a mounted image become
+        its refcount here; a mounted image no holder of ``node`` holds is unmounted; holds of
+        ``node`` on an image that is not mounted are stale (the node rebooted) and removed.
+        Returns digest -> holders of ``node`` now counted, so the caller can release those
+        whose sandboxes are gone."""
+        prefix = f"{node}/"
+        mounted = self.mounted()
+        kept: dict[str, list[str]] = {}
+        for holds in self.root.glob("holds/*"):
+            digest = f"sha256:{holds.name}"
+            if not _DIGEST.match(digest):
+                continue
+            mine = [h for h in self.holders(digest) if h.startswith(prefix)]
+            if mine and digest in mounted:
+                kept[digest] = mine
+            for holder in mine if digest not in mounted else ():
+                self._hold(digest, holder).unlink(missing_ok=True)
+        for digest in mounted:
+            if digest in kept:
+                self._mounts.adopt(digest, kept[digest])
+            else:
+                self._mounts.unmount(digest)
+        return kept
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _blob(self, digest: str) -> Path:
+        return self.root / "blobs" / "sha256" / f"{_hex(digest)}.erofs"
+
+    def _record(self, name: str, version: str) -> Path:
+        return self.root / "layers" / name / f"{version}.json"
+
+    def _hold(self, digest: str, holder: str) -> Path:
+        if not holder or holder.startswith(".") or len(holder) > 200:
+            raise InvalidArgument(
+                f"holder {holder!r} must be 1-200 characters not starting with '.', "
+                "e.g. '<node>/<sandbox id>'"
+            )
+        return self.root / "holds" / _hex(digest) / quote(holder, safe="")
+
+    def _publish(self, built: Built) -> None:
+        blob = self._blob(built.digest)
+        with contextlib.suppress(FileNotFoundError):
+            if blob.stat().st_size == built.size:  # already there: refresh its age for gc
+                os.utime(blob)
+                return
+        blob.parent.mkdir(parents=True, exist_ok=True)  # absent, or damaged: (re)place it
+        with built.image.open("rb") as f:
+            os.fsync(f.fileno())
+        os.rename(built.image, blob)
+
+    def _read_record(self, name: str, version: str) -> Layer | None:
+        path = self._record(name, version)
+        try:
+            return self._parse(path.read_bytes(), path)
+        except FileNotFoundError:
+            return None
+
+    def _parse(self, raw: bytes, path: Path) -> Layer:
+        try:
+            layer = Layer.model_validate_json(raw)
+        except ValidationError as e:
+            raise Internal(f"catalog record {path} is unreadable ({e}); remove the file") from None
+        self._sizes[layer.digest] = layer.size
+        return layer
+
+    def _check(self, digest: str, image: Path) -> None:
+        """Cheap corruption checks before a mount: size as recorded, EROFS magic."""
+        size = self._sizes.get(digest)
+        if size is None:
+            size = next((x.size for x in self.list_layers() if x.digest == digest), None)
+        if size is None:
+            raise NotFound(f"no layer in the catalog names {digest}; resolve a layer first")
+        actual = image.stat().st_size
+        if actual != size:
+            raise InvalidArgument(
+                f"image {image} has {actual} bytes where the catalog says {size}: it is damaged; "
+                "remove the layer and import it again"
+            )
+        erofs.check_magic(image)
+
+    def _missing(self, name: str, version: str) -> str:
+        versions = sorted(
+            p.stem for p in (self.root / "layers" / name).glob("*.json") if p.name[0] != "."
+        )
+        have = f"{name} has versions {', '.join(versions)}" if versions else f"none is named {name}"
+        return (
+            f"layer {name}:{version} is not in the store at {self.root} ({have}); import it "
+            f"first (`dsec layer import`, name {name}, version {version})"
+        )
+
+
+def _check_ref(name: str, version: str) -> None:
+    if not _NAME.match(name):
+        raise InvalidArgument(
+            f"layer name {name!r} must be 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    if not _VERSION.match(version):
+        raise InvalidArgument(
+            f"layer version {version!r} must be 1-128 letters, digits, '.', '_', '+' or '-', "
+            "starting with a letter or digit"
+        )
+
+
+def _hex(digest: str) -> str:
+    m = _DIGEST.match(digest)
+    if m is None:
+        raise InvalidArgument(f"digest {digest!r} is not 'sha256:' and 64 lowercase hex digits")
+    return m[1]
+
+
+def _same(existing: Layer, digest: str, kind: str) -> Layer:
+    """``existing`` if it is this content of this kind, else the Conflict of two contents."""
+    if (existing.digest, existing.kind) != (digest, kind):
+        raise Conflict(
+            f"layer {existing.ref} already exists as {existing.kind} {existing.digest}; this "
+            f"source is {kind} {digest}. Import it under a new version, or remove "
+            f"{existing.ref} first",
+            retryable=False,
+        )
+    return existing
+
+
+def _atomic_write(path: Path, data: bytes, mtime_ns: int | None = None) -> None:
+    """Write ``path`` whole or not at all: a temporary name in its directory, then rename."""
+    for attempt in range(3):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        except FileNotFoundError:  # gc or remove() took the empty directory meanwhile
+            if attempt == 2:
+                raise
+            continue
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            if mtime_ns is not None:
+                os.utime(tmp, ns=(mtime_ns, mtime_ns))
+            os.rename(tmp, path)
+            return
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
