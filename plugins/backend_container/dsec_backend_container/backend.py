@@ -115,7 +115,7 @@ class ContainerBackend(Backend):
             "cgroups",
             "capabilities",
             "seccomp",
-        ],  # fmt: skip
+        ],
         max_sandboxes=3200,
     )
     Config = ContainerConfig

@@ -5,10 +5,10 @@ so a symlink the sandbox planted cannot point the edge at a host file."""
 from __future__ import annotations
 
 import os
-import stat
 from contextlib import contextmanager
 
 from dsec_kernel import errors, linux
+from dsec_kernel.fileio import read_whole
 
 __all__ = ["read_file", "write_file"]
 
@@ -35,20 +35,12 @@ def read_file(init_pid: int, path: str, max_bytes: int) -> bytes:
     """The whole file; NotFound, or InvalidArgument for a directory or one over max_bytes."""
     with _root(init_pid) as root:
         try:
-            fd = linux.open_in_root(root, _check(path), os.O_RDONLY | os.O_NOFOLLOW)
+            fd = linux.open_in_root(root, _check(path), os.O_RDONLY)
         except FileNotFoundError:
             raise errors.NotFound(f"{path}: no such file") from None
         except OSError as exc:
             raise errors.InvalidArgument(f"{path}: {exc.strerror}") from None
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise errors.InvalidArgument(f"{path}: not a regular file")
-            if st.st_size > max_bytes:
-                raise errors.InvalidArgument(
-                    f"{path} is {st.st_size} bytes; at most {max_bytes} are read"
-                )
-            return f.read()
+        return read_whole(fd, path, max_bytes)
 
 
 def write_file(init_pid: int, path: str, data: bytes, mode: int) -> int:

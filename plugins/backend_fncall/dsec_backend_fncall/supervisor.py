@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import time
@@ -28,9 +27,11 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_backend_fncall.zygote import BOOT
+from dsec_kernel import errors
 from dsec_kernel.agent import agent_pb2 as pb
 from dsec_kernel.agent.agent_pb2_grpc import AgentServicer, add_AgentServicer_to_server
 from dsec_kernel.cgroups import Group, v1_controllers
+from dsec_kernel.fileio import read_whole
 from dsec_kernel.procs import die_with_parent
 from dsec_kernel.wire import SANDBOX_ID_PATTERN
 
@@ -450,20 +451,10 @@ class Agent(AgentServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, f"{request.path}: {exc.strerror}"
             )
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"{request.path}: not a regular file"
-                )
-            if request.max_bytes and st.st_size > request.max_bytes:
-                await context.abort(
-                    grpc.StatusCode.OUT_OF_RANGE,
-                    f"{request.path} is {st.st_size} bytes; at most {request.max_bytes} are read",
-                )
-            with os.fdopen(os.dup(fd), "rb") as f:
-                return pb.ReadFileResponse(data=f.read())
-        finally:
-            os.close(fd)
+            data = read_whole(fd, request.path, request.max_bytes)
+        except errors.InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.message)
+        return pb.ReadFileResponse(data=data)
 
     async def WriteFile(self, request: pb.WriteFileRequest, context) -> pb.WriteFileResponse:
         try:

@@ -1,7 +1,7 @@
 """Base trees for tests and examples, and :func:`ensure_layer` to import one only once.
 
-* :func:`busybox_tree` — a minimal root filesystem: the static busybox and links for common
-  applets, ``/etc/passwd`` and ``/etc/group`` (root, nobody), empty ``/proc /dev /sys /tmp
+* :func:`busybox_tree` — a minimal root filesystem: the static busybox and links for all its
+  applets (``busybox --list``; a fixed list of common ones if it cannot tell), ``/etc/passwd`` and ``/etc/group`` (root, nobody), empty ``/proc /dev /sys /tmp
   /root /home``. Reproducible: every entry gets busybox's mtime, so the same busybox binary
   gives the same image digest on every node. Conventionally ``busybox:1`` (base).
 * :func:`debian_tree` — Debian 12 ``minbase`` by debootstrap with extra packages (default
@@ -61,7 +61,7 @@ def busybox_tree(dest: Path) -> Path:
         os.chmod(dest / name, mode)
     shutil.copyfile(BUSYBOX, dest / "bin/busybox")
     os.chmod(dest / "bin/busybox", 0o755)
-    for applet in APPLETS:
+    for applet in _applets():
         os.symlink("busybox", dest / "bin" / applet)
     for name, text in (("passwd", _PASSWD), ("group", _GROUP), ("hostname", "")):
         (dest / "etc" / name).write_text(text)
@@ -70,6 +70,15 @@ def busybox_tree(dest: Path) -> Path:
     for path in (dest, *dest.rglob("*")):
         os.utime(path, (stamp, stamp), follow_symlinks=False)
     return dest
+
+
+def _applets() -> list[str]:
+    try:
+        names = subprocess.run([str(BUSYBOX), "--list"], capture_output=True, text=True,
+                               timeout=10).stdout.split()  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        names = []
+    return sorted({n for n in names if "/" not in n} - {"busybox"}) or list(APPLETS)
 
 
 def debian_tree(

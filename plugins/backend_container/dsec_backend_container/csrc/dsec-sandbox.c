@@ -322,6 +322,7 @@ static int cmd_exec(int argc, char **argv) {
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
         if (pid_fd > 2) close(pid_fd);
+        drop_capabilities(); /* first, as root: changing uid leaves no right to do it */
         if (gid >= 0 && (setgroups(0, NULL) < 0 || setresgid(gid, gid, gid) < 0)) die("setgid");
         if (uid >= 0 && setresuid(uid, uid, uid) < 0) die("setuid");
         if (chdir(cwd) < 0) {
@@ -332,7 +333,6 @@ static int cmd_exec(int argc, char **argv) {
             struct rlimit rl = {(rlim_t)fsize, (rlim_t)fsize};
             if (setrlimit(RLIMIT_FSIZE, &rl) < 0) die("limit file size");
         }
-        drop_capabilities();
         if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die("no_new_privs");
         if (filter_len) load_seccomp(filter_len);
         execvp(cmd[0], cmd);

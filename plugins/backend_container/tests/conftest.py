@@ -1,0 +1,71 @@
+"""Fixtures for the container backend's tests: a layer store with a busybox base (and, for
+the tests that need Python, a Debian base built once per machine), a started backend."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from dsec_backend_container.backend import ContainerBackend, ContainerConfig
+from dsec_storage_3fs.images import busybox_tree, debian_tree, ensure_layer
+
+from dsec_kernel.conformance import started
+from dsec_kernel.errors import NotFound
+from dsec_kernel.storage import open_store
+
+REASON = ContainerBackend.unavailable_reason()
+#: built once per machine and reused (debootstrap takes ~40 s)
+DEBIAN_CACHE = (
+    Path(os.environ.get("DSEC_TEST_CACHE", Path.home() / ".cache" / "dsec")) / "debian-python-12"
+)
+
+
+def pytest_collection_modifyitems(items):
+    if REASON:
+        for item in items:
+            if "backend_container" in str(item.fspath):
+                item.add_marker(
+                    pytest.mark.skip(reason=f"the container backend cannot run here: {REASON}")
+                )
+
+
+@pytest.fixture(scope="session")
+def store_config(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layers")
+    cfg = {"root": str(root / "store"), "cache_dir": str(root / "cache"), "gc_grace_s": 0}
+    if not REASON:
+        ensure_layer(open_store("3fs", cfg), "base", "busybox", "1", busybox_tree)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def debian_layer(store_config):
+    """``debian-python:12`` in the test store (the tree is cached in DEBIAN_CACHE)."""
+    if not (DEBIAN_CACHE / "usr/bin/python3").exists():
+        DEBIAN_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        partial = DEBIAN_CACHE.with_name(DEBIAN_CACHE.name + ".partial")
+        debian_tree(partial)
+        partial.rename(DEBIAN_CACHE)
+    store = open_store("3fs", store_config)
+    try:
+        return store.resolve("debian-python", "12", "base")
+    except NotFound:
+        return store.import_layer(str(DEBIAN_CACHE), "base", "debian-python", "12")
+
+
+@pytest.fixture(scope="session")
+def make_config(store_config):
+    """ContainerConfig(**changes) on the test store."""
+
+    def make(**kw) -> ContainerConfig:
+        return ContainerConfig(storage="3fs", storage_config=store_config, snapshot_grace_s=0, **kw)
+
+    return make
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def backend(make_config, tmp_path_factory):
+    async with started(ContainerBackend(make_config()), tmp_path_factory.mktemp("ct")) as b:
+        yield b

@@ -1,0 +1,191 @@
+"""Container sandboxes: isolation, limits, files, users, and what an idle one costs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+from dsec_backend_container.backend import ContainerBackend
+
+from dsec_kernel import errors
+from dsec_kernel.backend import ExecCall, SandboxRef
+from dsec_kernel.conformance import started
+from dsec_kernel.wire import (
+    EdgeSandbox,
+    Env,
+    Limits,
+    ReadFileRequest,
+    SandboxSpec,
+    WriteFileRequest,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+BUSYBOX = Env(base="busybox:1")
+
+
+def new(sandbox_id: str, **spec) -> EdgeSandbox:
+    spec.setdefault("env", BUSYBOX)
+    return EdgeSandbox(id=sandbox_id, tenant="t", spec=SandboxSpec(backend="container", **spec),
+                       created_at=time.time())  # fmt: skip
+
+
+async def sh(backend, sid: str, script: str, **kw):
+    return await backend.exec(
+        ExecCall(
+            sandbox_id=sid,
+            argv=["/bin/sh", "-c", script],
+            timeout_s=kw.pop("timeout_s", 20),
+            max_output_bytes=1 << 20,
+            **kw,
+        )  # fmt: skip
+    )
+
+
+@pytest.fixture
+async def box(backend):
+    sb = new("sb-" + os.urandom(8).hex())
+    await backend.create(sb)
+    yield sb.id
+    await backend.destroy(SandboxRef(sandbox_id=sb.id))
+
+
+async def test_own_namespaces_and_only_an_init_per_sandbox(backend, box):
+    r = await sh(
+        backend,
+        box,
+        "echo $$; hostname; ps -o pid,args; cat /proc/net/dev | tail -n +3 | cut -d: -f1",
+    )
+    lines = r.stdout.decode().split()
+    assert "sandbox" in lines and "init" in r.stdout.decode() and "eth0" not in lines
+    meta = backend.metas[box]
+    ns = {
+        n: os.readlink(f"/proc/{meta.init_pid}/ns/{n}") for n in ("pid", "mnt", "net", "uts", "ipc")
+    }
+    mine = {n: os.readlink(f"/proc/self/ns/{n}") for n in ns}
+    assert all(ns[n] != mine[n] for n in ns), (ns, mine)
+    children = [p for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == meta.init_pid]
+    assert children == [], "an idle sandbox runs nothing but its init"
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
+
+
+async def test_writes_go_to_the_sandbox_only(backend, box):
+    assert (
+        await sh(backend, box, "echo changed > /etc/hostname; rm /bin/ls; echo ok")
+    ).stdout == b"ok\n"
+    other = new("sb-" + os.urandom(8).hex())
+    await backend.create(other)
+    try:
+        r = await sh(backend, other.id, "cat /etc/hostname; test -e /bin/ls && echo has-ls")
+        assert r.stdout == b"has-ls\n", r  # its /etc/hostname is the image's (empty)
+    finally:
+        await backend.destroy(SandboxRef(sandbox_id=other.id))
+
+
+async def test_privileged_operations_are_refused(backend, box):
+    r = await sh(backend, box, "mount -t tmpfs none /mnt 2>&1; echo rc=$?; "
+                               "grep CapEff /proc/self/status; unshare -n true 2>&1; echo u=$?")  # fmt: skip
+    out = r.stdout.decode()
+    assert "rc=0" not in out and "u=0" not in out, out
+    eff = int(next(line for line in out.splitlines() if line.startswith("CapEff")).split()[1], 16)
+    assert not eff & (1 << 21), "CAP_SYS_ADMIN must be dropped"
+
+
+async def test_memory_and_process_limits(backend):
+    sid = "sb-" + os.urandom(8).hex()
+    await backend.create(new(sid, limits=Limits(memory_mb=64, pids=32)))
+    try:
+        # the shell holds 150 MB in a variable: more than the sandbox may have
+        r = await sh(backend, sid, "x=$(head -c 150000000 /dev/zero | tr '\\0' a); echo ${#x}",
+                     timeout_s=30)  # fmt: skip
+        cg = backend._group(sid).dirs
+        assert int((cg["memory"] / "memory.limit_in_bytes").read_text()) == 64 << 20
+        assert r.stdout != b"150000000\n" and int((cg["memory"] / "memory.failcnt").read_text()) > 0
+        await sh(backend, sid, "for i in $(seq 100); do sleep 1 & done 2>/dev/null; true")
+        assert int((cg["pids"] / "pids.current").read_text()) <= 32
+        assert int((cg["pids"] / "pids.events").read_text().split()[1]) > 0  # forks refused
+        await asyncio.sleep(1.5)
+        assert (await sh(backend, sid, "echo alive")).stdout == b"alive\n"
+    finally:
+        await backend.destroy(SandboxRef(sandbox_id=sid))
+
+
+async def test_users_env_cwd_and_file_size(backend, box):
+    r = await backend.exec(ExecCall(sandbox_id=box, argv=["id", "-u"], user="nobody", timeout_s=5,
+                                    max_output_bytes=100))  # fmt: skip
+    assert r.stdout == b"65534\n"
+    r = await backend.exec(ExecCall(sandbox_id=box, argv=["id", "-u"], user="1234", timeout_s=5,
+                                    max_output_bytes=100))  # fmt: skip
+    assert r.stdout == b"1234\n"
+    with pytest.raises(errors.InvalidArgument):
+        await backend.exec(ExecCall(sandbox_id=box, argv=["true"], user="nosuchuser", timeout_s=5,
+                                    max_output_bytes=100))  # fmt: skip
+    r = await sh(backend, box, "head -c 3000000 /dev/zero > /tmp/big; echo $?; wc -c < /tmp/big",
+                 limits=Limits(file_size_mb=1))  # fmt: skip
+    assert int(r.stdout.split()[-1]) <= 1 << 20
+
+
+async def test_files_cannot_escape_through_symlinks(backend, box):
+    await sh(backend, box, "ln -s /etc/shadow /tmp/link; ln -s ../../../../../../etc /tmp/up")
+    with pytest.raises(errors.NotFound):  # resolved inside the sandbox, where there is none
+        await backend.read_file(ReadFileRequest(sandbox_id=box, path="/tmp/link"))
+    await backend.write_file(WriteFileRequest(sandbox_id=box, path="/tmp/up/written", data=b"x"))
+    assert not Path("/etc/written").exists()
+    assert (await sh(backend, box, "cat /etc/written")).stdout == b"x"
+    with pytest.raises(errors.InvalidArgument):
+        await backend.read_file(ReadFileRequest(sandbox_id=box, path="/etc"))
+
+
+async def test_timeout_kills_the_process_group_and_background_output_does_not_block(backend, box):
+    t = time.monotonic()
+    r = await sh(backend, box, "sleep 30 & sleep 30 & wait", timeout_s=1)
+    assert r.timed_out and time.monotonic() - t < 5
+    assert (await sh(backend, box, "ps -o args | grep -c '^sleep 30' || true")).stdout == b"0\n"
+    t = time.monotonic()
+    r = await sh(backend, box, "(setsid sleep 30 &); echo started")  # keeps stdout open
+    assert r.stdout == b"started\n" and time.monotonic() - t < 5
+
+
+async def test_idle_sandboxes_cost_little_host_memory(backend):
+    ids = ["sb-" + os.urandom(8).hex() for _ in range(20)]
+    for sid in ids:
+        await backend.create(new(sid))
+    try:
+        pss = [_pss_kib(backend.metas[s].init_pid) for s in ids]
+        assert max(pss) < 512, pss  # each init's own share; kernel objects come on top
+    finally:
+        await asyncio.gather(*(backend.destroy(SandboxRef(sandbox_id=s)) for s in ids))
+
+
+def _pss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1])
+    return 0
+
+
+async def test_a_restarted_backend_adopts_live_sandboxes_and_removes_dead_ones(
+    make_config, tmp_path
+):
+    state = tmp_path / "state"
+    async with started(ContainerBackend(make_config()), state) as b:
+        await b.create(new("sb-00000000000000a1"))
+        await b.create(new("sb-00000000000000a2"))
+        await sh(b, "sb-00000000000000a1", "echo kept > /tmp/k")
+        dead = b.metas["sb-00000000000000a2"]
+    os.kill(dead.init_pid, 9)  # dies while no edge watches
+    await asyncio.sleep(0.2)
+    async with started(ContainerBackend(make_config()), state) as b:
+        assert await b.list_sandboxes() == ["sb-00000000000000a1"]
+        assert (await sh(b, "sb-00000000000000a1", "cat /tmp/k")).stdout == b"kept\n"
+        assert not (b.root / "sb-00000000000000a2").exists()
+        assert not b._group("sb-00000000000000a2").dirs["memory"].exists()
+        await b.destroy(SandboxRef(sandbox_id="sb-00000000000000a1"))
