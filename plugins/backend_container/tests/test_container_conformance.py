@@ -1,8 +1,10 @@
 """The kernel's conformance suite against the container backend (busybox base)."""
 
+from typing import ClassVar
+
 from dsec_kernel.conformance import BackendConformance
 from dsec_kernel.wire import Env
 
 
 class TestContainerConformance(BackendConformance):
-    spec = {"env": Env(base="busybox:1")}
+    spec: ClassVar[dict[str, object]] = {"env": Env(base="busybox:1")}

@@ -28,8 +28,12 @@ BUSYBOX = Env(base="busybox:1")
 
 def new(sandbox_id: str, **spec) -> EdgeSandbox:
     spec.setdefault("env", BUSYBOX)
-    return EdgeSandbox(id=sandbox_id, tenant="t", spec=SandboxSpec(backend="container", **spec),
-                       created_at=time.time())  # fmt: skip
+    return EdgeSandbox(
+        id=sandbox_id,
+        tenant="t",
+        spec=SandboxSpec(backend="container", **spec),
+        created_at=time.time(),
+    )
 
 
 async def sh(backend, sid: str, script: str, **kw):
@@ -40,7 +44,7 @@ async def sh(backend, sid: str, script: str, **kw):
             timeout_s=kw.pop("timeout_s", 20),
             max_output_bytes=1 << 20,
             **kw,
-        )  # fmt: skip
+        )
     )
 
 
@@ -91,8 +95,12 @@ async def test_writes_go_to_the_sandbox_only(backend, box):
 
 
 async def test_privileged_operations_are_refused(backend, box):
-    r = await sh(backend, box, "mount -t tmpfs none /mnt 2>&1; echo rc=$?; "
-                               "grep CapEff /proc/self/status; unshare -n true 2>&1; echo u=$?")  # fmt: skip
+    r = await sh(
+        backend,
+        box,
+        "mount -t tmpfs none /mnt 2>&1; echo rc=$?; "
+        "grep CapEff /proc/self/status; unshare -n true 2>&1; echo u=$?",
+    )
     out = r.stdout.decode()
     assert "rc=0" not in out and "u=0" not in out, out
     eff = int(next(line for line in out.splitlines() if line.startswith("CapEff")).split()[1], 16)
@@ -104,8 +112,9 @@ async def test_memory_and_process_limits(backend):
     await backend.create(new(sid, limits=Limits(memory_mb=64, pids=32)))
     try:
         # the shell holds 150 MB in a variable: more than the sandbox may have
-        r = await sh(backend, sid, "x=$(head -c 150000000 /dev/zero | tr '\\0' a); echo ${#x}",
-                     timeout_s=30)  # fmt: skip
+        r = await sh(
+            backend, sid, "x=$(head -c 150000000 /dev/zero | tr '\\0' a); echo ${#x}", timeout_s=30
+        )
         cg = backend._group(sid).dirs
         assert int((cg["memory"] / "memory.limit_in_bytes").read_text()) == 64 << 20
         assert r.stdout != b"150000000\n" and int((cg["memory"] / "memory.failcnt").read_text()) > 0
@@ -119,17 +128,28 @@ async def test_memory_and_process_limits(backend):
 
 
 async def test_users_env_cwd_and_file_size(backend, box):
-    r = await backend.exec(ExecCall(sandbox_id=box, argv=["id", "-u"], user="nobody", timeout_s=5,
-                                    max_output_bytes=100))  # fmt: skip
+    r = await backend.exec(
+        ExecCall(
+            sandbox_id=box, argv=["id", "-u"], user="nobody", timeout_s=5, max_output_bytes=100
+        )
+    )
     assert r.stdout == b"65534\n"
-    r = await backend.exec(ExecCall(sandbox_id=box, argv=["id", "-u"], user="1234", timeout_s=5,
-                                    max_output_bytes=100))  # fmt: skip
+    r = await backend.exec(
+        ExecCall(sandbox_id=box, argv=["id", "-u"], user="1234", timeout_s=5, max_output_bytes=100)
+    )
     assert r.stdout == b"1234\n"
     with pytest.raises(errors.InvalidArgument):
-        await backend.exec(ExecCall(sandbox_id=box, argv=["true"], user="nosuchuser", timeout_s=5,
-                                    max_output_bytes=100))  # fmt: skip
-    r = await sh(backend, box, "head -c 3000000 /dev/zero > /tmp/big; echo $?; wc -c < /tmp/big",
-                 limits=Limits(file_size_mb=1))  # fmt: skip
+        await backend.exec(
+            ExecCall(
+                sandbox_id=box, argv=["true"], user="nosuchuser", timeout_s=5, max_output_bytes=100
+            )
+        )
+    r = await sh(
+        backend,
+        box,
+        "head -c 3000000 /dev/zero > /tmp/big; echo $?; wc -c < /tmp/big",
+        limits=Limits(file_size_mb=1),
+    )
     assert int(r.stdout.split()[-1]) <= 1 << 20
 
 
