@@ -1,9 +1,10 @@
 """Base trees for tests and examples, and :func:`ensure_layer` to import one only once.
 
 * :func:`busybox_tree` — a minimal root filesystem: the static busybox and links for all its
-  applets (``busybox --list``; a fixed list of common ones if it cannot tell), ``/etc/passwd`` and ``/etc/group`` (root, nobody), empty ``/proc /dev /sys /tmp
-  /root /home``. Reproducible: every entry gets busybox's mtime, so the same busybox binary
-  gives the same image digest on every node. Conventionally ``busybox:1`` (base).
+  applets (``busybox --list``; a fixed list of common ones if it cannot tell),
+  ``/etc/passwd`` and ``/etc/group`` (root, nobody), empty ``/proc /dev /sys /tmp /root
+  /home``. Reproducible: every entry gets busybox's mtime, so the same busybox binary gives
+  the same image digest on every node. Conventionally ``busybox:1`` (base).
 * :func:`debian_tree` — Debian 12 ``minbase`` by debootstrap with extra packages (default
   python3; about 25 s from a nearby mirror), apt caches trimmed. Conventionally
   ``debian-python:12`` (base).
