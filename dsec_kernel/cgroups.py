@@ -8,6 +8,7 @@ nested cgroup as well as at the root. Every function raises OSError on failure.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -55,6 +56,19 @@ class Group:
 
     def set(self, controller: str, name: str, value: int | str) -> None:
         (self.dirs[controller] / name).write_text(str(value))
+
+    def kill(self) -> None:
+        """SIGKILL every process in the group (in each hierarchy)."""
+        for d in self.dirs.values():
+            try:
+                pids = (d / "cgroup.procs").read_text().split()
+            except FileNotFoundError:
+                continue
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def remove(self, timeout: float = 5.0) -> None:
         """Remove the group and its children once they are empty (waits up to ``timeout``)."""

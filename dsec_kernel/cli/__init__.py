@@ -55,6 +55,19 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("name")
     s.add_argument("--nats-url", default=None, help="service URL (default: from `dsec up`)")
 
+    s = sub.add_parser("layer", help="manage layers in the layer store (DSEC_STORAGE_CONFIG__ROOT)")
+    lsub = s.add_subparsers(dest="layer_cmd", required=True, metavar="ACTION")
+    li = lsub.add_parser("import", help="import a directory, tarball or OCI image layout")
+    li.add_argument("--kind", required=True, choices=["base", "workspace", "toolkit"])
+    li.add_argument("--name", required=True)
+    li.add_argument("--version", required=True)
+    li.add_argument("source")
+    lsub.add_parser("ls", help="list layers")
+    lr = lsub.add_parser("rm", help="remove a layer (refused while in use)")
+    lr.add_argument("ref", help="name:version")
+    lr.add_argument("--force", action="store_true", help="even if held (by nodes that are gone)")
+    lsub.add_parser("gc", help="delete images no layer names and nothing holds")
+
     s = sub.add_parser("create", help="create sandboxes")
     s.add_argument("--count", type=int, default=1)
     s.add_argument("--backend", default="fncall")
@@ -194,6 +207,45 @@ async def _client_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_layer(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from dsec_kernel.storage import open_store
+
+    store = open_store()
+    console = Console(stderr=True)
+    if args.layer_cmd == "import":
+        with console.status("importing") as status:
+            layer = store.import_layer(
+                args.source, args.kind, args.name, args.version,
+                progress=lambda step: status.update(f"{args.name}:{args.version}: {step}"),
+            )  # fmt: skip
+        print(f"{layer.ref} {layer.kind} {layer.digest} {layer.size} bytes {layer.files} files")
+    elif args.layer_cmd == "ls":
+        table = Table("name:version", "kind", "digest", "size", "files")
+        for layer in sorted(store.list_layers(), key=lambda x: (x.kind, x.ref)):
+            table.add_row(layer.ref, layer.kind, layer.digest[:19], _size(layer.size), str(layer.files))
+        Console().print(table)
+    elif args.layer_cmd == "rm":
+        name, _, version = args.ref.partition(":")
+        if not version:
+            raise errors.InvalidArgument(f"give name:version, not {args.ref!r}")
+        print(f"removed {store.remove(name, version, force=args.force).ref}")
+    else:
+        report = store.gc()
+        print(f"removed {len(report.removed)} image(s), freed {_size(report.bytes_freed)}")
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def _when(t: float | None) -> str:
     import time
 
@@ -247,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_plugins()
         if args.cmd == "schema":
             return _cmd_schema(args.out)
+        if args.cmd == "layer":
+            return _cmd_layer(args)
         if args.cmd == "tenant":
             return asyncio.run(_cmd_tenant(args.name, args.nats_url))
         return asyncio.run(_client_cmd(args))

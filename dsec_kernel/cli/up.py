@@ -52,7 +52,7 @@ def up(
         stop_requested = True
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    cluster = LocalCluster(state_dir)
+    cluster = LocalCluster(state_dir, {"DSEC_STATE_DIR": str(state_dir)})
     cluster.nats.port = port
     try:
         cluster.start_nats()

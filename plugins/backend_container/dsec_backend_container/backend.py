@@ -12,6 +12,8 @@ stays per sandbox; an idle one costs its init and kernel objects.
 from __future__ import annotations
 
 import asyncio
+import errno
+import hashlib
 import logging
 import os
 import re
@@ -42,6 +44,7 @@ from dsec_kernel.backend import (
     SandboxStatus,
 )
 from dsec_kernel.cgroups import Group, v1_controllers
+from dsec_kernel.config import StorageSettings
 from dsec_kernel.storage import LayerStore, open_store
 from dsec_kernel.wire import (
     MAX_FILE_BYTES,
@@ -148,7 +151,16 @@ class ContainerBackend(Backend):
     async def start(self, ctx: BackendContext) -> None:
         self.node = ctx.node
         self.state_dir = ctx.state_dir
-        self.store: LayerStore = open_store(self.config.storage, self.config.storage_config)
+        settings = StorageSettings()
+        storage = self.config.storage or settings.storage
+        store_config = dict(
+            self.config.storage_config
+            if self.config.storage_config is not None
+            else settings.storage_config
+        )
+        if storage == "3fs":  # its mounts are this node's: keep them with this edge's state
+            store_config.setdefault("cache_dir", str(ctx.state_dir / "layer-cache"))
+        self.store: LayerStore = open_store(storage, store_config)
         self.root = self.config.upper_root or ctx.state_dir / "sandboxes"
         self.root.mkdir(parents=True, exist_ok=True)
         self.helper = await asyncio.to_thread(Helper, ctx.state_dir / "bin")
@@ -156,7 +168,8 @@ class ContainerBackend(Backend):
             ctx.state_dir / "seccomp.bpf", ctx.hooks.guard_syscalls(self.name)
         )
         parents = {c: d for c, d in v1_controllers().items() if c in CONTROLLERS}
-        self.cgroups = Group.under(parents, "dsec-container").create()
+        own = hashlib.sha256(str(ctx.state_dir.resolve()).encode()).hexdigest()[:12]
+        self.cgroups = Group.under(parents, f"dsec-container-{own}").create()
         self.snapshots = Snapshots(
             self.store.snapshots_root(),
             self.config.snapshot_max_depth,
@@ -168,8 +181,11 @@ class ContainerBackend(Backend):
         self._gc = asyncio.create_task(self._collect())
 
     async def close(self) -> None:
+        """Sandboxes stay (a restarted edge adopts them); an empty cgroup parent goes."""
         if self._gc is not None:
             self._gc.cancel()
+        if not self.metas:
+            await asyncio.to_thread(self.cgroups.remove)
 
     def _adopt(self) -> None:
         """After a restart: keep sandboxes whose init still runs; clean up the others."""
@@ -189,9 +205,11 @@ class ContainerBackend(Backend):
             else:
                 log.warning("sandbox %s lost its init while the edge was down; removing it", d.name)
                 self._cleanup(sd, meta)
-        for leftover in self.cgroups.dirs["memory"].iterdir():  # made by a create cut short
+        for leftover in self.cgroups.dirs["memory"].iterdir():  # a create cut short, or a leak
             if leftover.is_dir() and leftover.name not in self.metas:
-                Group.under(self.cgroups.dirs, leftover.name).remove()
+                group = Group.under(self.cgroups.dirs, leftover.name)
+                group.kill()
+                group.remove()
 
     async def _collect(self) -> None:
         while True:
@@ -227,7 +245,14 @@ class ContainerBackend(Backend):
         if sandbox.id in self.metas or SandboxDir(self.root, sandbox.id).exists():
             raise errors.Conflict(f"sandbox {sandbox.id} already exists")
         async with self._lock(sandbox.id):
-            meta = await asyncio.to_thread(self._create, sandbox)
+            try:
+                meta = await asyncio.to_thread(self._create, sandbox)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise errors.CapacityExceeded(
+                        f"the node's disk for sandboxes is full ({self.root}); retry elsewhere"
+                    ) from None
+                raise errors.Unavailable(f"cannot create {sandbox.id}: {exc}") from None
         self.metas[sandbox.id] = meta
         return SandboxStatus(sandbox_id=sandbox.id, state="ready")
 
