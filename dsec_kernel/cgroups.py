@@ -70,18 +70,19 @@ class Group:
                 except ProcessLookupError:
                     pass
 
-    def remove(self, timeout: float = 5.0) -> None:
-        """Remove the group and its children once they are empty (waits up to ``timeout``)."""
+    def remove(self, timeout: float = 5.0, kill: bool = False) -> None:
+        """Remove the group and its children once they are empty (waits up to ``timeout``).
+        With ``kill``, whatever is (or arrives) in them meanwhile is killed."""
         deadline = time.monotonic() + timeout
         for d in self.dirs.values():
             if not d.exists():
                 continue
             for child in sorted((p for p in d.rglob("*") if p.is_dir()), reverse=True):
-                _rmdir(child, deadline)
-            _rmdir(d, deadline)
+                _rmdir(child, deadline, kill)
+            _rmdir(d, deadline, kill)
 
 
-def _rmdir(path: Path, deadline: float) -> None:
+def _rmdir(path: Path, deadline: float, kill: bool) -> None:
     while True:
         try:
             os.rmdir(path)
@@ -91,4 +92,6 @@ def _rmdir(path: Path, deadline: float) -> None:
         except OSError:  # EBUSY: processes are still leaving
             if time.monotonic() > deadline:
                 raise
+            if kill:
+                Group({"": path}).kill()
             time.sleep(0.01)

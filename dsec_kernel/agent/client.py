@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -13,7 +14,20 @@ from dsec_kernel.agent import agent_pb2 as pb
 from dsec_kernel.agent.agent_pb2_grpc import AgentStub
 from dsec_kernel.wire import ExecResult
 
-__all__ = ["AgentClient", "collect_exec", "status_error"]
+__all__ = ["AgentClient", "collect_exec", "status_error", "unix_target"]
+
+#: sockaddr_un holds 108 bytes: longer socket paths are reached through a directory fd
+_UNIX_PATH_MAX = 100
+
+
+def unix_target(path: str) -> tuple[str, int | None]:
+    """A gRPC target for the unix socket at ``path``, and the directory fd it needs kept open
+    (None when the path is short enough to use as it is)."""
+    if len(path) <= _UNIX_PATH_MAX:
+        return f"unix://{path}", None
+    directory, _, name = path.rpartition("/")
+    fd = os.open(directory or "/", os.O_PATH | os.O_DIRECTORY)
+    return f"unix:///proc/self/fd/{fd}/{name}", fd
 
 _STATUS_ERRORS: dict[grpc.StatusCode, type[errors.DsecError]] = {
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
@@ -67,6 +81,10 @@ class AgentClient:
     """
 
     def __init__(self, target: str) -> None:
+        """``target``: ``unix:///path`` (any length) or ``host:port``."""
+        self._dir_fd = None
+        if target.startswith("unix://"):
+            target, self._dir_fd = unix_target(target[len("unix://") :])
         self.target = target
         self._channel = grpc.aio.insecure_channel(
             target,
@@ -79,6 +97,9 @@ class AgentClient:
 
     async def close(self) -> None:
         await self._channel.close()
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
 
     async def wait_ready(self, timeout: float) -> pb.HealthResponse:
         """Poll Health until it answers or ``timeout`` seconds pass (then Unavailable)."""

@@ -225,7 +225,9 @@ def _cmd_layer(args: argparse.Namespace) -> int:
     elif args.layer_cmd == "ls":
         table = Table("name:version", "kind", "digest", "size", "files")
         for layer in sorted(store.list_layers(), key=lambda x: (x.kind, x.ref)):
-            table.add_row(layer.ref, layer.kind, layer.digest[:19], _size(layer.size), str(layer.files))
+            table.add_row(
+                layer.ref, layer.kind, layer.digest[:19], _size(layer.size), str(layer.files)
+            )
         Console().print(table)
     elif args.layer_cmd == "rm":
         name, _, version = args.ref.partition(":")

@@ -176,8 +176,8 @@ class ContainerBackend(Backend):
             self.config.snapshot_grace_s,
         )
         self.egress = Egress(self.config.egress_subnet)
-        await asyncio.to_thread(self.store.adopt, self.node)
-        await asyncio.to_thread(self._adopt)
+        held = await asyncio.to_thread(self.store.adopt, self.node)
+        await asyncio.to_thread(self._adopt, held)
         self._gc = asyncio.create_task(self._collect())
 
     async def close(self) -> None:
@@ -187,8 +187,9 @@ class ContainerBackend(Backend):
         if not self.metas:
             await asyncio.to_thread(self.cgroups.remove)
 
-    def _adopt(self) -> None:
-        """After a restart: keep sandboxes whose init still runs; clean up the others."""
+    def _adopt(self, held: dict[str, list[str]]) -> None:
+        """After a restart: keep sandboxes whose init still runs; clean up the others, and
+        what a create cut short left (a cgroup, holds on layers and snapshots)."""
         for d in self.root.iterdir():
             if not _ID.match(d.name):
                 continue
@@ -205,11 +206,16 @@ class ContainerBackend(Backend):
             else:
                 log.warning("sandbox %s lost its init while the edge was down; removing it", d.name)
                 self._cleanup(sd, meta)
-        for leftover in self.cgroups.dirs["memory"].iterdir():  # a create cut short, or a leak
+        for leftover in self.cgroups.dirs["memory"].iterdir():
             if leftover.is_dir() and leftover.name not in self.metas:
-                group = Group.under(self.cgroups.dirs, leftover.name)
-                group.kill()
-                group.remove()
+                Group.under(self.cgroups.dirs, leftover.name).remove(kill=True)
+        for digest, holders in held.items():
+            for holder in holders:
+                if holder.split("/", 1)[-1] not in self.metas:
+                    self.store.release(digest, holder)
+        self.snapshots.drop_holders(
+            f"sb.{self.node}.", keep={f"sb.{self.node}.{i}" for i in self.metas}
+        )
 
     async def _collect(self) -> None:
         while True:
@@ -351,7 +357,7 @@ class ContainerBackend(Backend):
         self.snapshots.release(sorted(held), f"sb.{self.node}.{sd.id}")
         if meta is not None and meta.network == "egress":
             self.egress.remove(sd.id, sd.path / "netns", meta.address)
-        self._group(sd.id).remove()
+        self._group(sd.id).remove(kill=True)  # an init whose record was never written, too
         sd.remove()
 
     async def destroy(self, ref: SandboxRef) -> None:

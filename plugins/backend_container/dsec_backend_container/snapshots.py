@@ -107,6 +107,12 @@ class Snapshots:
             except FileNotFoundError:
                 pass
 
+    def drop_holders(self, prefix: str, keep: set[str]) -> None:
+        """Remove holds named ``prefix...`` except ``keep`` (a node's sandboxes that are gone)."""
+        for hold in self.root.glob(f"snap-*/holds/{prefix}*"):
+            if hold.name not in keep:
+                hold.unlink(missing_ok=True)
+
     # -- taking ----------------------------------------------------------------------------------
 
     def take(

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
-
 from dsec_backend_container.backend import ContainerBackend
+
 from dsec_kernel import errors, linux
 from dsec_kernel.backend import ExecCall, SandboxRef
 from dsec_kernel.conformance import started
@@ -97,7 +96,9 @@ async def test_a_full_upper_disk_fails_the_sandbox_not_the_node(make_config, tmp
                 await b.create(sb)
                 made.append(sb)
                 fill = ["/bin/sh", "-c", "head -c 20000000 /dev/zero > /big"]
-                r = await b.exec(ExecCall(sandbox_id=sb.id, argv=fill, timeout_s=20, max_output_bytes=4096))
+                r = await b.exec(
+                    ExecCall(sandbox_id=sb.id, argv=fill, timeout_s=20, max_output_bytes=4096)
+                )
                 assert r.exit_code != 0 and r.stderr, r  # ENOSPC, inside the sandbox only
                 other = new(Env(base="busybox:1"))
                 try:  # may fit (an empty sandbox is a few directories) or be refused, typed

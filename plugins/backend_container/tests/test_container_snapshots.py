@@ -6,8 +6,8 @@ import os
 import time
 
 import pytest
-
 from dsec_backend_container.backend import ContainerBackend
+
 from dsec_kernel import errors
 from dsec_kernel.backend import ExecCall, SandboxRef
 from dsec_kernel.conformance import started
@@ -36,7 +36,9 @@ def new(tenant: str = "t", **spec) -> EdgeSandbox:
 
 async def sh(b, sid: str, script: str) -> bytes:
     r = await b.exec(
-        ExecCall(sandbox_id=sid, argv=["/bin/sh", "-c", script], timeout_s=20, max_output_bytes=1 << 20)
+        ExecCall(
+            sandbox_id=sid, argv=["/bin/sh", "-c", script], timeout_s=20, max_output_bytes=1 << 20
+        )
     )
     assert r.exit_code == 0, r
     return r.stdout
@@ -117,16 +119,22 @@ async def test_a_snapshot_published_as_a_layer_starts_new_sandboxes(backend):
         await sh(backend, sb.id, "mkdir -p /work && echo built > /work/artifact && rm /bin/vi")
         snap = await backend.snapshot(SnapshotRequest(sandbox_id=sb.id))
         layer = await backend.publish(
-            PublishRequest(snapshot_id=snap.id, kind="workspace", name="built", version="1", tenant="t")
+            PublishRequest(
+                snapshot_id=snap.id, kind="workspace", name="built", version="1", tenant="t"
+            )
         )
         assert layer.kind == "workspace" and layer.digest.startswith("sha256:")
         with pytest.raises(errors.NotFound):
             await backend.publish(
-                PublishRequest(snapshot_id=snap.id, kind="workspace", name="x", version="1", tenant="eve")
+                PublishRequest(
+                    snapshot_id=snap.id, kind="workspace", name="x", version="1", tenant="eve"
+                )
             )
         user = new(env=Env(base="busybox:1", workspace="built:1"))
         await backend.create(user)
-        out = await sh(backend, user.id, "cat /work/artifact; test -e /bin/vi || echo no-vi; ls /bin/ls")
+        out = await sh(
+            backend, user.id, "cat /work/artifact; test -e /bin/vi || echo no-vi; ls /bin/ls"
+        )
         assert out == b"built\nno-vi\n/bin/ls\n"
         await backend.destroy(SandboxRef(sandbox_id=user.id))
     finally:

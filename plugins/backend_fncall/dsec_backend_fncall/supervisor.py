@@ -30,6 +30,7 @@ from dsec_backend_fncall.zygote import BOOT
 from dsec_kernel import errors
 from dsec_kernel.agent import agent_pb2 as pb
 from dsec_kernel.agent.agent_pb2_grpc import AgentServicer, add_AgentServicer_to_server
+from dsec_kernel.agent.client import unix_target
 from dsec_kernel.cgroups import Group, v1_controllers
 from dsec_kernel.fileio import read_whole
 from dsec_kernel.procs import die_with_parent
@@ -624,7 +625,8 @@ async def serve(cfg: SupervisorConfig) -> None:
     add_AgentServicer_to_server(Agent(cfg, pool), server)
     if os.path.exists(cfg.socket):
         os.unlink(cfg.socket)
-    server.add_insecure_port(f"unix://{cfg.socket}")
+    target, _dir_fd = unix_target(cfg.socket)  # (the fd stays open while we serve)
+    server.add_insecure_port(target)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

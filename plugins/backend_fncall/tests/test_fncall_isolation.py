@@ -329,3 +329,9 @@ async def test_gigabytes_of_output_are_drained_and_capped(backend):
     assert r.truncated and len(r.stdout) == 1 << 20 and r.stderr == b"done\n" and r.exit_code == 0
     assert not r.timed_out
     print(f"3 GB drained in {time.monotonic() - t:.1f}s")
+
+
+async def test_a_long_state_directory_path(tmp_path):
+    deep = tmp_path / ("d" * 120)  # past the 108 bytes a unix socket address holds
+    async with started(FncallBackend(FncallConfig(pool_size=1)), deep) as b:
+        assert (await py(b, "print('deep')")).stdout == b"deep\n"

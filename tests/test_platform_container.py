@@ -1,0 +1,116 @@
+"""Container sandboxes through the SDK on a platform of processes: environments, snapshots,
+restore, forks on other nodes, published layers, and an edge killed in the middle of a create."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from dsec_backend_container.backend import ContainerBackend
+from dsec_storage_3fs.images import busybox_tree, ensure_layer
+
+import dsec_kernel as dsec
+from dsec_kernel import errors
+from dsec_kernel.storage import open_store
+
+REASON = ContainerBackend.unavailable_reason()
+pytestmark = pytest.mark.skipif(
+    bool(REASON), reason=f"the container backend cannot run here: {REASON}"
+)
+BUSYBOX = dsec.Env(base="busybox:1")
+
+
+@pytest.fixture
+def cluster(local_cluster, tmp_path):
+    store = {"DSEC_STORAGE_CONFIG__ROOT": str(tmp_path / "store")}
+    ensure_layer(open_store("3fs", {"root": store["DSEC_STORAGE_CONFIG__ROOT"],
+                                    "cache_dir": str(tmp_path / "cache")}),
+                 "base", "busybox", "1", busybox_tree)  # fmt: skip
+    c = local_cluster(store)
+    c.start_apiserver("--node-timeout", "2")
+    return c
+
+
+def client(cluster) -> dsec.AsyncClient:
+    return dsec.AsyncClient(url=cluster.conn.url, token=cluster.conn.token)
+
+
+async def test_an_rl_step_loop_through_the_sdk(cluster):
+    cluster.start_edge("n1", ["container"], "--heartbeat", "0.2")
+    cluster.start_edge("n2", ["container"], "--heartbeat", "0.2")
+    await cluster.ready()
+    async with client(cluster) as c:
+        sbs = await c.create(count=2, backend="container", env=BUSYBOX,
+                             limits=dsec.Limits(cpus=1, memory_mb=256, pids=128))  # fmt: skip
+        assert Counter(sb.node for sb in sbs) == {"n1": 1, "n2": 1}
+        results = await c.exec_many(sbs, "echo step0 > /tmp/state; hostname", timeout=10)
+        assert [r.stdout for r in results] == [b"sandbox\n"] * 2
+        sb = sbs[0]
+        await sb.write_file("/work/solution.py", "print('v1')\n")
+        snap = await sb.snapshot()
+        await sb.exec("echo v2 > /work/solution.py; rm /tmp/state; sleep 100 &")
+        diff = await sb.fs_diff(since=snap)
+        assert (diff.modified, diff.deleted) == (["/work/solution.py"], ["/tmp/state"])
+        assert set((await sb.fs_diff()).added) >= {"/work", "/work/solution.py"}
+        await sb.restore(snap)
+        r = await sb.exec("cat /work/solution.py /tmp/state; ps -o args | grep -c '^sleep' || true")
+        assert r.stdout == b"print('v1')\nstep0\n0\n"
+        forks = await c.create(count=4, from_snapshot=snap)
+        assert {f.backend for f in forks} == {"container"} and len({f.node for f in forks}) == 2
+        outs = await c.exec_many(forks, "cat /work/solution.py")
+        assert [o.stdout for o in outs] == [b"print('v1')\n"] * 4
+        history = await sb.commands()
+        assert [h.exit_code for h in history] == [0, 0, 0] and history[0].argv[-1].startswith(
+            "echo step0"
+        )
+        layer = await c.publish(snap, kind="workspace", name="solution", version="1")
+        [user] = await c.create(count=1, backend="container",
+                                env=dsec.Env(base="busybox:1", workspace="solution:1"))  # fmt: skip
+        assert (await user.exec("cat /work/solution.py")).stdout == b"print('v1')\n"
+        assert layer.name == "solution"
+        await sb.reset()
+        assert (await sb.exec("ls /work 2>&1; echo $?")).stdout.endswith(b"1\n")
+        with pytest.raises(errors.NotFound):
+            await c.create(count=1, backend="container", env=dsec.Env(base="nope:1"))
+        await c.destroy([*sbs, *forks, user])
+        assert await c.list() == []
+
+
+def cgroup_sandboxes(backend_dir: Path) -> list[str]:
+    """The sandbox cgroups of the container backend keeping its state in ``backend_dir``."""
+    import hashlib
+
+    from dsec_kernel.cgroups import v1_controllers
+
+    own = hashlib.sha256(str(backend_dir.resolve()).encode()).hexdigest()[:12]
+    return [str(p) for p in v1_controllers()["pids"].glob(f"dsec-container-{own}/sb-*")]
+
+
+async def test_an_edge_killed_mid_create_leaves_nothing_after_it_restarts(cluster):
+    cluster.start_edge("a", ["container"], "--heartbeat", "0.2")
+    await cluster.ready()
+    backend_dir = Path(cluster.state_dir, "nodes", "a", "backends", "container")
+    async with client(cluster) as c:
+        creating = asyncio.ensure_future(c.create(count=60, backend="container", env=BUSYBOX))
+        deadline = time.monotonic() + 20
+        while not cgroup_sandboxes(backend_dir) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        cluster.edges["a"].kill()  # mid-create: some sandboxes exist, none is recorded
+        with pytest.raises(errors.DsecError):
+            await creating
+        assert cgroup_sandboxes(backend_dir), "the edge should have died mid-create"
+        cluster.start_edge("a", ["container"], "--heartbeat", "0.2")
+        await cluster.ready()
+        assert await c.list() == []
+        for _ in range(100):
+            if not cgroup_sandboxes(backend_dir):
+                break
+            await asyncio.sleep(0.1)
+        assert cgroup_sandboxes(backend_dir) == []
+        assert list((backend_dir / "sandboxes").iterdir()) == []
+        [sb] = await c.create(count=1, backend="container", env=BUSYBOX)  # and it still serves
+        assert (await sb.exec("echo ok")).stdout == b"ok\n"
+        await c.destroy([sb])
