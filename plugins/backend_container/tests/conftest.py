@@ -3,23 +3,15 @@ the tests that need Python, a Debian base built once per machine), a started bac
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import pytest_asyncio
 from dsec_backend_container.backend import ContainerBackend, ContainerConfig
-from dsec_storage_3fs.images import busybox_tree, debian_tree, ensure_layer
+from dsec_storage_3fs.images import busybox_tree, debian_python, ensure_layer
 
 from dsec_kernel.conformance import started
-from dsec_kernel.errors import NotFound
 from dsec_kernel.storage import open_store
 
 REASON = ContainerBackend.unavailable_reason()
-#: built once per machine and reused (debootstrap takes ~40 s)
-DEBIAN_CACHE = (
-    Path(os.environ.get("DSEC_TEST_CACHE", Path.home() / ".cache" / "dsec")) / "debian-python-12"
-)
 
 
 def pytest_collection_modifyitems(items):
@@ -42,17 +34,8 @@ def store_config(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def debian_layer(store_config):
-    """``debian-python:12`` in the test store (the tree is cached in DEBIAN_CACHE)."""
-    if not (DEBIAN_CACHE / "usr/bin/python3").exists():
-        DEBIAN_CACHE.parent.mkdir(parents=True, exist_ok=True)
-        partial = DEBIAN_CACHE.with_name(DEBIAN_CACHE.name + ".partial")
-        debian_tree(partial)
-        partial.rename(DEBIAN_CACHE)
-    store = open_store("3fs", store_config)
-    try:
-        return store.resolve("debian-python", "12", "base")
-    except NotFound:
-        return store.import_layer(str(DEBIAN_CACHE), "base", "debian-python", "12")
+    """``debian-python:12`` in the test store (its tree is built once per machine)."""
+    return debian_python(open_store("3fs", store_config))
 
 
 @pytest.fixture(scope="session")
