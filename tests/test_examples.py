@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from dsec_backend_container.backend import ContainerBackend
 
 ROOT = Path(__file__).resolve().parent.parent
