@@ -32,6 +32,7 @@ __all__ = [
     "mount",
     "mount_setattr",
     "open_in_root",
+    "pivot_root",
     "set_dumpable",
     "set_no_new_privs",
     "set_pdeathsig",
@@ -143,6 +144,10 @@ def open_in_root(root_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), path)
     return fd
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    _check(_libc.syscall(155, _b(new_root), _b(put_old)), "pivot_root", new_root)
 
 
 def sethostname(name: str) -> None:
