@@ -12,7 +12,9 @@ import signal
 import time
 from pathlib import Path
 
-__all__ = ["Group", "v1_controllers"]
+from dsec_kernel import linux
+
+__all__ = ["Group", "favor_dynamic_changes", "v1_controllers"]
 
 
 def v1_controllers() -> dict[str, Path]:
@@ -33,6 +35,26 @@ def v1_controllers() -> dict[str, Path]:
                 if name in mounts:
                     own[name] = mounts[name] / path.lstrip("/")
     return own
+
+
+def favor_dynamic_changes() -> str | None:
+    """Make moving processes between cgroups cheap, system-wide: set ``favordynmods`` on
+    a cgroup2 mount (kept with its other options). Without it every move waits for an RCU
+    grace period (5-15 ms measured on this kernel); with it a move takes ~0.2 ms, and
+    forks and exits get marginally dearer. Returns None, or why it could not be set."""
+    with open("/proc/self/mountinfo") as f:
+        v2 = [(left.split()[4], right.split()[2]) for left, _, right in
+              (line.partition(" - ") for line in f) if right.split()[0] == "cgroup2"]  # fmt: skip
+    if not v2:
+        return "no cgroup2 mount to set favordynmods on"
+    if any("favordynmods" in opts.split(",") for _, opts in v2):
+        return None
+    mountpoint, opts = v2[0]
+    try:
+        linux.mount(None, mountpoint, None, linux.MS_REMOUNT, f"{opts},favordynmods")
+    except OSError as exc:
+        return f"cannot remount {mountpoint} with favordynmods: {exc}"
+    return None
 
 
 class Group:

@@ -29,6 +29,7 @@ def unix_target(path: str) -> tuple[str, int | None]:
     fd = os.open(directory or "/", os.O_PATH | os.O_DIRECTORY)
     return f"unix:///proc/self/fd/{fd}/{name}", fd
 
+
 _STATUS_ERRORS: dict[grpc.StatusCode, type[errors.DsecError]] = {
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,

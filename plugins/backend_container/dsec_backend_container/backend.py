@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dsec_backend_container.files import read_file, write_file
 from dsec_backend_container.fsdiff import diff
 from dsec_backend_container.helper import Helper, compiler
-from dsec_backend_container.layout import Meta, SandboxDir, process_start
+from dsec_backend_container.layout import Meta, SandboxDir, Trash, process_start
 from dsec_backend_container.network import Egress
 from dsec_backend_container.overlay import apply
 from dsec_backend_container.seccomp import write_profile
@@ -43,7 +43,7 @@ from dsec_kernel.backend import (
     SandboxRef,
     SandboxStatus,
 )
-from dsec_kernel.cgroups import Group, v1_controllers
+from dsec_kernel.cgroups import Group, favor_dynamic_changes, v1_controllers
 from dsec_kernel.config import StorageSettings
 from dsec_kernel.storage import LayerStore, open_store
 from dsec_kernel.wire import (
@@ -163,6 +163,7 @@ class ContainerBackend(Backend):
         self.store: LayerStore = open_store(storage, store_config)
         self.root = self.config.upper_root or ctx.state_dir / "sandboxes"
         self.root.mkdir(parents=True, exist_ok=True)
+        self.trash = Trash(self.root / ".trash")
         self.helper = await asyncio.to_thread(Helper, ctx.state_dir / "bin")
         self.seccomp = write_profile(
             ctx.state_dir / "seccomp.bpf", ctx.hooks.guard_syscalls(self.name)
@@ -170,6 +171,8 @@ class ContainerBackend(Backend):
         parents = {c: d for c, d in v1_controllers().items() if c in CONTROLLERS}
         own = hashlib.sha256(str(ctx.state_dir.resolve()).encode()).hexdigest()[:12]
         self.cgroups = Group.under(parents, f"dsec-container-{own}").create()
+        if why := favor_dynamic_changes():
+            log.warning("starting a sandbox waits for an RCU grace period: %s", why)
         self.snapshots = Snapshots(
             self.store.snapshots_root(),
             self.config.snapshot_max_depth,
@@ -184,6 +187,7 @@ class ContainerBackend(Backend):
         """Sandboxes stay (a restarted edge adopts them); an empty cgroup parent goes."""
         if self._gc is not None:
             self._gc.cancel()
+        await asyncio.to_thread(self.trash.close)
         if not self.metas:
             await asyncio.to_thread(self.cgroups.remove)
 
@@ -287,7 +291,7 @@ class ContainerBackend(Backend):
             layers, chain = self._layers_for(sandbox)
             sd.create()
             if chain:
-                self.snapshots.hold(chain, f"sb.{self.node}.{sandbox.id}")
+                self.snapshots.hold(chain[0], f"sb.{self.node}.{sandbox.id}")
             lowers = self.snapshots.deltas(chain)
             for digest in layers:
                 lowers.append(self.store.mount(digest, holder))
@@ -353,12 +357,14 @@ class ContainerBackend(Backend):
         holder = self._holder(sd.id)
         for digest in mounted if mounted is not None else (meta.layers if meta else []):
             self.store.release(digest, holder)
-        held = set(chain or []) | set(meta.chain if meta else []) | set(meta.held if meta else [])
+        held = set(chain or [])
+        if meta is not None:
+            held |= {*meta.chain, *meta.origin, *meta.held}
         self.snapshots.release(sorted(held), f"sb.{self.node}.{sd.id}")
         if meta is not None and meta.network == "egress":
             self.egress.remove(sd.id, sd.path / "netns", meta.address)
         self._group(sd.id).remove(kill=True)  # an init whose record was never written, too
-        sd.remove()
+        sd.remove(self.trash)
 
     async def destroy(self, ref: SandboxRef) -> None:
         async with self._lock(ref.sandbox_id):
@@ -457,7 +463,7 @@ class ContainerBackend(Backend):
         finally:
             if busy:
                 _freeze(group, False)
-        self.snapshots.hold([snap.id], f"sb.{self.node}.{meta.id}")
+        self.snapshots.hold(snap.id, f"sb.{self.node}.{meta.id}")
         meta.held.append(snap.id)
         meta.last_snapshot = snap.id
         meta.upper_since = snap.id
@@ -481,10 +487,11 @@ class ContainerBackend(Backend):
                     "(create with from_snapshot)"
                 )
             chain = [s.id for s in snaps]
-        self.snapshots.hold(chain, holder)  # first: collection cannot take it from under us
+        if chain:  # first: collection cannot take it from under us
+            self.snapshots.hold(chain[0], holder)
         sd = SandboxDir(self.root, meta.id)
         self._kill_init(meta)
-        sd.fresh_upper()
+        sd.fresh_upper(self.trash)
         mounts = self.store.mounted()
         lowers = self.snapshots.deltas(chain) + [mounts[d] for d in meta.layers]
         netns = sd.path / "netns" if meta.network == "egress" else None
@@ -499,7 +506,7 @@ class ContainerBackend(Backend):
         meta.last_snapshot = chain[0] if chain else None
         meta.upper_since = None
         sd.write(meta)
-        self.snapshots.release(sorted(old - set(meta.held)), holder)
+        self.snapshots.release(sorted(old - set(meta.held) - set(meta.origin[:1])), holder)
 
     async def fs_diff(self, request: FsDiffRequest) -> FsDiff:
         meta = self._meta(request.sandbox_id)

@@ -3,19 +3,23 @@
 ``<state>/sandboxes/<id>/``: ``meta.json`` (:class:`Meta`), ``upper/`` and ``work/`` (the
 overlay's writable layer, on local disk) and ``rootfs/`` (the mount point, used only inside
 the sandbox's own mount namespace). Nothing is mounted in the host's namespace per sandbox.
+``<state>/sandboxes/.trash/``: what is being deleted (:class:`Trash`).
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
+import queue
+import secrets
 import shutil
+import threading
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_kernel.wire import Limits
 
-__all__ = ["Meta", "SandboxDir", "process_start"]
+__all__ = ["Meta", "SandboxDir", "Trash", "process_start"]
 
 
 class Meta(BaseModel):
@@ -70,17 +74,49 @@ class SandboxDir:
         tmp.write_text(meta.model_dump_json())
         tmp.replace(self.meta_file)
 
-    def fresh_upper(self) -> None:
-        """Replace the writable layer with an empty one (the old one is removed)."""
-        trash = self.path / f".trash-{os.getpid()}-{id(self)}"
+    def fresh_upper(self, trash: Trash) -> None:
+        """Replace the writable layer with an empty one (the old one goes to ``trash``)."""
         for d in (self.upper, self.work):
-            if d.exists():
-                d.rename(trash)
-                shutil.rmtree(trash, ignore_errors=True)
+            trash.discard(d)
             d.mkdir()
 
-    def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+    def remove(self, trash: Trash) -> None:
+        trash.discard(self.path)
+
+
+class Trash:
+    """Directories on their way out: moved aside at once (a rename on the same filesystem)
+    and deleted by one background thread, so restore and destroy do not wait on the disk.
+    What a crash left here is deleted after the next start."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self._queue: queue.SimpleQueue[Path | None] = queue.SimpleQueue()
+        for left in root.iterdir():
+            self._queue.put(left)
+        self._thread = threading.Thread(target=self._run, name="dsec-trash", daemon=True)
+        self._thread.start()
+
+    def discard(self, path: Path) -> None:
+        """Move ``path`` here to be deleted; a missing ``path`` is nothing to do."""
+        moved = self.root / secrets.token_hex(8)
+        try:
+            path.rename(moved)
+        except FileNotFoundError:
+            return
+        self._queue.put(moved)
+
+    def close(self) -> None:
+        """Delete everything discarded so far, then stop the thread (and leave no directory)."""
+        self._queue.put(None)
+        self._thread.join()
+        with contextlib.suppress(OSError):  # not empty: deleted after the next start
+            self.root.rmdir()
+
+    def _run(self) -> None:
+        while (path := self._queue.get()) is not None:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def process_start(pid: int) -> int | None:

@@ -7,7 +7,10 @@ can restore or fork from them).
     delta/         what changed since the parent snapshot, in overlay upper format
     manifest.json  the sandbox's upper as it was when taken: the base of its next increment
     holds/         one empty file per holder: a sandbox whose files build on it
-                   (``sb.<node>.<id>``) or a later snapshot (``snap.<id>``)
+                   (``sb.<node>.<id>``) or its child snapshot (``snap.<id>``)
+
+Holds are transitive: every snapshot holds its parent, so holding a chain's newest snapshot
+holds the whole chain, and taking or restoring costs one hold however deep the chain.
 
 A chain deeper than ``max_depth`` is compacted: the new snapshot's delta then holds the whole
 chain merged (depth 1). A snapshot nothing holds, not kept, and unused for ``grace_s`` is
@@ -85,20 +88,18 @@ class Snapshots:
 
     # -- holds ---------------------------------------------------------------------------------
 
-    def hold(self, chain: list[str], holder: str) -> None:
-        """Hold every snapshot of ``chain``; NotFound (holding nothing) if one is gone."""
-        taken = []
+    def hold(self, snap_id: str, holder: str) -> None:
+        """Hold ``snap_id``, and so its whole chain; NotFound (holding nothing) if it is gone."""
+        d = self._dir(snap_id)
         try:
-            for snap in chain:
-                d = self._dir(snap)
-                (d / "holds" / holder).touch()
-                os.utime(d)  # "used now": collection waits grace_s after this
-                taken.append(snap)
-                if not (d / "meta.json").exists():
-                    raise FileNotFoundError(snap)
+            (d / "holds" / holder).touch()
+            os.utime(d)  # "used now": collection waits grace_s after this
+            if (d / "meta.json").exists():
+                return
         except FileNotFoundError:
-            self.release(taken, holder)
-            raise errors.NotFound(f"snapshot {chain[len(taken)]} is gone") from None
+            pass
+        self.release([snap_id], holder)
+        raise errors.NotFound(f"snapshot {snap_id} is gone")
 
     def release(self, chain: list[str], holder: str) -> None:
         for snap in chain:
@@ -135,17 +136,16 @@ class Snapshots:
         try:
             now = scan(upper)
             before = self.manifest(baseline)
-            chain = [c.id for c in self.chain(parent)] if parent else []
+            depth = self.get(parent).depth + 1 if parent else 1
             (tmp / "delta").mkdir()
-            if parent and len(chain) >= self.max_depth:  # compact: the whole chain, merged
-                for delta in reversed(self.deltas(chain)):
+            if parent and depth > self.max_depth:  # compact: the whole chain, merged
+                for delta in reversed(self.deltas([c.id for c in self.chain(parent)])):
                     apply(delta, tmp / "delta")
                 _copy_changes(upper, now, before, tmp / "delta", merge=True)
                 parent, depth = None, 1
                 size = _tree_bytes(tmp / "delta")
             else:
                 size = _copy_changes(upper, now, before, tmp / "delta")
-                depth = len(chain) + 1
             (tmp / "manifest.json").write_text(json.dumps({k: v.as_list() for k, v in now.items()}))
             meta = SnapshotMeta(
                 id=snap_id, tenant=tenant, sandbox_id=sandbox_id, backend=backend, parent=parent,
@@ -153,7 +153,7 @@ class Snapshots:
             )  # fmt: skip
             (tmp / "meta.json").write_text(meta.model_dump_json())
             if parent:
-                self.hold([c.id for c in self.chain(parent)], f"snap.{snap_id}")
+                self.hold(parent, f"snap.{snap_id}")
             tmp.rename(self._dir(snap_id))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -186,7 +186,7 @@ class Snapshots:
                     trash.rename(d)
                     continue
                 if meta.parent:
-                    self.release([c.id for c in self.chain(meta.parent)], f"snap.{meta.id}")
+                    self.release([meta.parent], f"snap.{meta.id}")
                 shutil.rmtree(trash, ignore_errors=True)
                 removed.append(meta.id)
                 progress = True

@@ -7,6 +7,7 @@ import time
 
 import pytest
 from dsec_backend_container.backend import ContainerBackend
+from dsec_backend_container.layout import Trash
 
 from dsec_kernel import errors, linux
 from dsec_kernel.backend import ExecCall, SandboxRef
@@ -117,3 +118,18 @@ async def test_a_full_upper_disk_fails_the_sandbox_not_the_node(make_config, tmp
         assert list(disk.iterdir()) == []
     finally:
         linux.umount(str(disk), linux.MNT_DETACH)
+
+
+async def test_the_trash_deletes_what_it_is_given_and_what_a_crash_left(tmp_path):
+    crashed = tmp_path / ".trash" / "left-by-a-crash" / "upper"
+    crashed.mkdir(parents=True)
+    (crashed / "f").write_bytes(b"x")
+    trash = Trash(tmp_path / ".trash")
+    upper = tmp_path / "upper"
+    (upper / "deep").mkdir(parents=True)
+    (upper / "deep" / "g").write_bytes(b"y")
+    trash.discard(upper)
+    assert not upper.exists()  # gone at once; deleted in the background
+    trash.discard(tmp_path / "missing")  # nothing to do
+    trash.close()
+    assert list(tmp_path.iterdir()) == []

@@ -76,6 +76,31 @@ async def test_long_chains_are_compacted(make_config, tmp_path):
             await b.destroy(SandboxRef(sandbox_id=s.id))
 
 
+async def test_a_fork_resets_to_its_origin_after_compaction_and_collection(make_config, tmp_path):
+    """Holds are transitive (a snapshot holds its parent); a sandbox keeps its origin held
+    for reset() even when its own chain has been compacted away from it."""
+    async with started(ContainerBackend(make_config(snapshot_max_depth=2)), tmp_path) as b:
+        src = new()
+        await b.create(src)
+        await sh(b, src.id, "echo origin > /tmp/o")
+        origin = await b.snapshot(SnapshotRequest(sandbox_id=src.id))
+        await b.destroy(SandboxRef(sandbox_id=src.id))
+        fork = new(snapshot=origin.id)
+        await b.create(fork)
+        try:
+            for i in range(2):  # depth 2, then 3: compacted to 1
+                await sh(b, fork.id, f"echo {i} > /tmp/f{i}")
+                snap = await b.snapshot(SnapshotRequest(sandbox_id=fork.id))
+            assert snap.depth == 1 and snap.parent is None, snap
+            await b.restore(RestoreRequest(sandbox_id=fork.id, snapshot_id=snap.id))
+            b.snapshots.gc()
+            await b.restore(RestoreRequest(sandbox_id=fork.id, snapshot_id=None))
+            assert await sh(b, fork.id, "cat /tmp/o; ls /tmp") == b"origin\no\n"
+        finally:
+            await b.destroy(SandboxRef(sandbox_id=fork.id))
+        assert origin.id in b.snapshots.gc()  # nothing holds it any more
+
+
 async def test_another_tenants_snapshot_cannot_be_used(backend):
     mine = new("alice")
     await backend.create(mine)

@@ -34,7 +34,7 @@ from dsec_kernel.backend import (
     SandboxRef,
     SandboxStatus,
 )
-from dsec_kernel.cgroups import v1_controllers
+from dsec_kernel.cgroups import favor_dynamic_changes, v1_controllers
 from dsec_kernel.procs import die_with_parent
 from dsec_kernel.wire import (
     MAX_FILE_BYTES,
@@ -127,6 +127,8 @@ class FncallBackend(Backend):
             self.capabilities = self.capabilities.model_copy(
                 update={"isolation": [*self.capabilities.isolation, "cgroups"]}
             )
+            if why := favor_dynamic_changes():
+                log.warning("each call's cgroup move waits for an RCU grace period: %s", why)
         self.root = ctx.state_dir / "sandboxes"
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
