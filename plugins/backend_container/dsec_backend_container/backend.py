@@ -95,7 +95,10 @@ class ContainerConfig(BaseModel):
     snapshot_max_depth: int = Field(16, ge=2)
     snapshot_grace_s: float = Field(60.0, ge=0)
     gc_interval_s: float = Field(60.0, gt=0)
-    egress_subnet: str = "10.213.0.0/16"
+    egress_subnet: str = Field("10.213.0.0/16", description="addresses of egress sandboxes")
+    egress_bridge: str = Field(
+        "dsec0", pattern=r"^[A-Za-z0-9_-]{1,15}$", description="the node's bridge for them"
+    )
 
 
 class ContainerBackend(Backend):
@@ -178,16 +181,18 @@ class ContainerBackend(Backend):
             self.config.snapshot_max_depth,
             self.config.snapshot_grace_s,
         )
-        self.egress = Egress(self.config.egress_subnet)
+        self.egress = Egress(self.config.egress_subnet, self.config.egress_bridge)
         held = await asyncio.to_thread(self.store.adopt, self.node)
         await asyncio.to_thread(self._adopt, held)
         self._gc = asyncio.create_task(self._collect())
 
     async def close(self) -> None:
-        """Sandboxes stay (a restarted edge adopts them); an empty cgroup parent goes."""
+        """Sandboxes stay (a restarted edge adopts them); an empty cgroup parent and an
+        unused egress bridge go."""
         if self._gc is not None:
             self._gc.cancel()
         await asyncio.to_thread(self.trash.close)
+        await asyncio.to_thread(self.egress.close)
         if not self.metas:
             await asyncio.to_thread(self.cgroups.remove)
 

@@ -2,6 +2,9 @@
 namespace (kept alive by a bind mount of its nsfs file) joined to the bridge by a veth.
 
 Sandboxes without egress get none of this: their init makes a namespace with only ``lo``.
+The bridge is made with the first egress sandbox and removed (with its NAT rule) when the
+backend closes with no sandbox attached to it. Two edges on one host need different bridges
+and subnets (``egress_bridge``, ``egress_subnet``).
 """
 
 from __future__ import annotations
@@ -20,36 +23,58 @@ from dsec_kernel import errors, linux
 
 __all__ = ["Egress"]
 
-BRIDGE = "dsec0"
+_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 
 
 class Egress:
     """Addresses come from ``subnet``; the bridge takes the first one."""
 
-    def __init__(self, subnet: str = "10.213.0.0/16") -> None:
+    def __init__(self, subnet: str = "10.213.0.0/16", bridge: str = "dsec0") -> None:
         self.net = ipaddress.ip_network(subnet)
         self.gateway = next(self.net.hosts())
+        self.bridge = bridge
         self.used: set[str] = set()
         self._bridge_ready = False
+        self._forward_was: str | None = None
+        self._nat = ["-t", "nat", "POSTROUTING", "-s", str(self.net), "!", "-o", bridge,
+                     "-j", "MASQUERADE"]  # fmt: skip
 
     def _ensure_bridge(self) -> None:
         if self._bridge_ready:
             return
         with IPRoute() as ip:
-            if not ip.link_lookup(ifname=BRIDGE):
-                ip.link("add", ifname=BRIDGE, kind="bridge")
-            idx = ip.link_lookup(ifname=BRIDGE)[0]
+            if not ip.link_lookup(ifname=self.bridge):
+                ip.link("add", ifname=self.bridge, kind="bridge")
+            idx = ip.link_lookup(ifname=self.bridge)[0]
             have = {a.get_attr("IFA_ADDRESS") for a in ip.get_addr(index=idx)}
             if str(self.gateway) not in have:
                 ip.addr("add", index=idx, address=str(self.gateway), prefixlen=self.net.prefixlen)
             ip.link("set", index=idx, state="up")
-        Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
-        if shutil.which("iptables"):
-            rule = ["-t", "nat", "POSTROUTING", "-s", str(self.net), "!", "-o", BRIDGE,
-                    "-j", "MASQUERADE"]  # fmt: skip
-            if subprocess.run(["iptables", "-C", *rule], capture_output=True).returncode != 0:
-                subprocess.run(["iptables", "-A", *rule], capture_output=True, check=False)
+        forward = _FORWARD.read_text().strip()
+        if forward != "1":
+            self._forward_was = forward
+            _FORWARD.write_text("1")
+        if shutil.which("iptables") and self._iptables("-C") != 0:
+            self._iptables("-A")
         self._bridge_ready = True
+
+    def _iptables(self, action: str) -> int:
+        return subprocess.run(["iptables", action, *self._nat], capture_output=True).returncode
+
+    def close(self) -> None:
+        """Remove the bridge, its NAT rule and our ip_forward change, unless a sandbox (of
+        any edge) is still attached to it."""
+        with IPRoute() as ip:
+            found = ip.link_lookup(ifname=self.bridge)
+            if not found or any(k.get_attr("IFLA_MASTER") == found[0] for k in ip.get_links()):
+                return
+            ip.link("del", index=found[0])
+        if shutil.which("iptables"):
+            self._iptables("-D")
+        if self._forward_was is not None:
+            _FORWARD.write_text(self._forward_was)
+            self._forward_was = None
+        self._bridge_ready = False
 
     def _address(self, sandbox_id: str) -> str:
         hosts = self.net.num_addresses - 2
@@ -73,7 +98,7 @@ class Egress:
                 ip.link("add", ifname=host_if, kind="veth",
                         peer={"ifname": "eth0", "net_ns_fd": str(nsfile)})  # fmt: skip
                 idx = ip.link_lookup(ifname=host_if)[0]
-                ip.link("set", index=idx, master=ip.link_lookup(ifname=BRIDGE)[0], state="up")
+                ip.link("set", index=idx, master=ip.link_lookup(ifname=self.bridge)[0], state="up")
             with IPRoute(netns=str(nsfile)) as ns:
                 eth = ns.link_lookup(ifname="eth0")[0]
                 ns.addr("add", index=eth, address=addr, prefixlen=self.net.prefixlen)

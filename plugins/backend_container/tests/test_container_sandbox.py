@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from dsec_backend_container.backend import ContainerBackend
+from pyroute2 import IPRoute
 
 from dsec_kernel import errors
 from dsec_kernel.backend import ExecCall, SandboxRef
@@ -209,3 +212,52 @@ async def test_a_restarted_backend_adopts_live_sandboxes_and_removes_dead_ones(
         assert not (b.root / "sb-00000000000000a2").exists()
         assert not b._group("sb-00000000000000a2").dirs["memory"].exists()
         await b.destroy(SandboxRef(sandbox_id="sb-00000000000000a1"))
+
+
+async def test_egress_is_a_veth_to_the_node_bridge_and_goes_with_the_sandbox(make_config, tmp_path):
+    """network="egress": eth0 with an address, a default route through the node's bridge
+    (here reaching a server the test runs on the bridge address); network="none": only lo,
+    nothing reachable. Bridge, veth and namespace are gone afterwards."""
+    bridge, subnet = f"dsect{os.urandom(3).hex()}", f"10.214.{os.urandom(1)[0]}.0/24"
+    config = make_config(egress_bridge=bridge, egress_subnet=subnet)
+    async with started(ContainerBackend(config), tmp_path) as b:
+        out, closed = (
+            new("sb-" + os.urandom(8).hex(), network="egress"),
+            new("sb-" + os.urandom(8).hex()),
+        )
+        await b.create(out)
+        await b.create(closed)
+        gateway = str(b.egress.gateway)
+        server = ThreadingHTTPServer((gateway, 0), _Hello)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://{gateway}:{server.server_address[1]}/"
+        try:
+            r = await sh(b, out.id, f"ip -o -4 addr show eth0; ip route; wget -q -O- {url}")
+            assert r.exit_code == 0, r
+            assert b.metas[out.id].address in r.stdout.decode()
+            assert f"default via {gateway}".encode() in r.stdout and r.stdout.endswith(b"hello\n")
+            r = await sh(b, closed.id, f"ip -o link | cut -d: -f2; wget -q -T 2 -O- {url}")
+            assert r.stdout.split() == [b"lo"] and r.exit_code != 0, r
+        finally:
+            server.shutdown()
+            server.server_close()
+            for sb in (out, closed):
+                await b.destroy(SandboxRef(sandbox_id=sb.id))
+        assert not (b.root / out.id).exists()
+    assert await asyncio.to_thread(_links, (bridge, "dsv")) == []  # no bridge, no veth
+
+
+def _links(prefixes: tuple[str, ...]) -> list[str]:
+    with IPRoute() as ip:  # pyroute2's synchronous API: not on the event loop's thread
+        names = [link.get_attr("IFLA_IFNAME") for link in ip.get_links()]
+    return [n for n in names if n.startswith(prefixes)]
+
+
+class _Hello(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"hello\n")
+
+    def log_message(self, *args) -> None:
+        pass
