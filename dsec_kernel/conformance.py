@@ -190,13 +190,17 @@ class BackendConformance:
     async def test_exec_timeout_kills_everything(self, backend: Backend, sandbox: str) -> None:
         self.need(backend, "exec")
         t = time.monotonic()
-        r = await backend.exec(
-            self.call(
-                sandbox, ["/bin/sh", "-c", "trap '' TERM; sleep 100 & sleep 100"], timeout_s=0.5
-            )
+        script = (
+            "(setsid sh -c 'sleep 1; echo escaped > /tmp/escaped' &);"
+            " trap '' TERM; sleep 100 & sleep 100"
         )
+        r = await backend.exec(self.call(sandbox, ["/bin/sh", "-c", script], timeout_s=0.5))
         assert r.timed_out and r.exit_code == -9
         assert time.monotonic() - t < 0.5 + self.timeout_slack_s
+        if backend.capabilities.stateful:  # a new session it started went too
+            await asyncio.sleep(1.5)
+            check = ["/bin/sh", "-c", "cat /tmp/escaped 2>/dev/null || echo none"]
+            assert (await backend.exec(self.call(sandbox, check))).stdout == b"none\n"
 
     async def test_exec_output_is_capped(self, backend: Backend, sandbox: str) -> None:
         self.need(backend, "exec")

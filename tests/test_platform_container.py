@@ -89,6 +89,24 @@ def cgroup_sandboxes(backend_dir: Path) -> list[str]:
     return [str(p) for p in v1_controllers()["pids"].glob(f"dsec-container-{own}/sb-*")]
 
 
+async def test_an_egress_sandbox_through_the_sdk(cluster):
+    """network="egress" end to end: the edge (on its own event loop, uvloop) makes the veth."""
+    cluster.start_edge("e", ["container"], "--heartbeat", "0.2")
+    await cluster.ready()
+    async with client(cluster) as c:
+        out, closed = await asyncio.gather(
+            c.create(count=1, backend="container", env=BUSYBOX, network="egress"),
+            c.create(count=1, backend="container", env=BUSYBOX),
+        )
+        show = "ip -o link | cut -d: -f2 | tr -d ' ' | sort | tr '\\n' ' '; ip route"
+        try:
+            r = await out[0].exec(show)
+            assert r.stdout.startswith(b"eth0@") and b"default via 10.213.0.1" in r.stdout, r
+            assert (await closed[0].exec(show)).stdout == b"lo "
+        finally:
+            await c.destroy(out + closed)
+
+
 async def test_an_edge_killed_mid_create_leaves_nothing_after_it_restarts(cluster):
     cluster.start_edge("a", ["container"], "--heartbeat", "0.2")
     await cluster.ready()

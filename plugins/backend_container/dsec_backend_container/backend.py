@@ -12,11 +12,13 @@ stays per sandbox; an idle one costs its init and kernel objects.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import logging
 import os
 import re
+import secrets
 import select
 import shutil
 import signal
@@ -414,20 +416,31 @@ class ContainerBackend(Backend):
         meta = self._meta(call.sandbox_id)
         uid, gid = self._user(meta, call.user)
         limits = meta.limits.model_copy(update=call.limits.model_dump(exclude_none=True))
-        result = await self.helper.exec(
-            meta.init_pid,
-            call.argv,
-            cgroups=self._procs(call.sandbox_id),
-            env={**DEFAULT_ENV, **call.env},
-            cwd=call.cwd or "/",
-            stdin=call.stdin,
-            timeout=call.timeout_s,
-            max_output=call.max_output_bytes,
-            seccomp=self.seccomp,
-            uid=uid,
-            gid=gid,
-            file_size=(limits.file_size_mb << 20) if limits.file_size_mb else None,
-        )
+        # the command and all it starts go into a freezer group of their own, so a timeout
+        # kills every one of them (setsid or not) and nothing else in the sandbox
+        sandbox = self._group(call.sandbox_id)
+        own = Group({"freezer": sandbox.dirs["freezer"] / f"exec-{secrets.token_hex(6)}"})
+        await asyncio.to_thread(own.create)
+        cgroups = [d / "cgroup.procs" for c, d in sandbox.dirs.items() if c != "freezer"]
+        try:
+            result = await self.helper.exec(
+                meta.init_pid,
+                call.argv,
+                cgroups=[*cgroups, own.dirs["freezer"] / "cgroup.procs"],
+                kill_all=lambda: _kill_frozen(own),
+                env={**DEFAULT_ENV, **call.env},
+                cwd=call.cwd or "/",
+                stdin=call.stdin,
+                timeout=call.timeout_s,
+                max_output=call.max_output_bytes,
+                seccomp=self.seccomp,
+                uid=uid,
+                gid=gid,
+                file_size=(limits.file_size_mb << 20) if limits.file_size_mb else None,
+            )
+        finally:  # still busy (it left processes running): removed with the sandbox
+            with contextlib.suppress(OSError):
+                os.rmdir(own.dirs["freezer"])
         return result.model_copy(update={"sandbox_id": call.sandbox_id})
 
     async def read_file(self, request: ReadFileRequest) -> ReadFileResponse:
@@ -560,6 +573,15 @@ def _protect(pid: int) -> None:
         Path(f"/proc/{pid}/oom_score_adj").write_text("-1000")
     except PermissionError:
         pass
+
+
+def _kill_frozen(group: Group) -> None:
+    """SIGKILL every process of ``group``, frozen first so none can fork meanwhile."""
+    _freeze(group, True)
+    try:
+        group.kill()
+    finally:
+        _freeze(group, False)
 
 
 def _freeze(group: Group, frozen: bool) -> None:

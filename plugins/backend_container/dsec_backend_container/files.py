@@ -35,7 +35,7 @@ def read_file(init_pid: int, path: str, max_bytes: int) -> bytes:
     """The whole file; NotFound, or InvalidArgument for a directory or one over max_bytes."""
     with _root(init_pid) as root:
         try:
-            fd = linux.open_in_root(root, _check(path), os.O_RDONLY)
+            fd = linux.open_in_root(root, _check(path), os.O_RDONLY | os.O_NONBLOCK)  # a FIFO
         except FileNotFoundError:
             raise errors.NotFound(f"{path}: no such file") from None
         except OSError as exc:
@@ -52,8 +52,12 @@ def write_file(init_pid: int, path: str, data: bytes, mode: int) -> int:
         dfd = _mkdirs(root, parent or "/")
         tmp = f".{name}.dsec-tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600,
-                         dir_fd=dfd)  # fmt: skip
+            try:  # whatever is there (a FIFO the sandbox planted, say) goes; ours is new
+                os.unlink(tmp, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK
+            fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 os.fchmod(f.fileno(), mode & 0o777)

@@ -5,12 +5,14 @@ their process group is killed at the timeout."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dsec_kernel import errors
@@ -88,6 +90,7 @@ class Helper:
         argv: list[str],
         *,
         cgroups: list[Path],
+        kill_all: Callable[[], None],
         env: dict[str, str],
         cwd: str,
         stdin: bytes,
@@ -99,6 +102,8 @@ class Helper:
         file_size: int | None = None,
     ) -> ExecResult:
         """Run ``argv`` in the sandbox of ``init_pid``; see Backend.exec for the contract.
+        ``kill_all`` (called in a thread) kills the command with everything it started, on
+        timeout or cancellation.
 
         Raises SandboxLost if the sandbox cannot be entered (its init is gone)."""
         cmd = [str(self.path), "exec", "--pid", str(init_pid), "--cwd", cwd]
@@ -123,7 +128,7 @@ class Helper:
         finally:
             for fd in (status_w, in_r, out_w, err_w):
                 os.close(fd)
-        run = _Run(proc, status_r, in_w, out_r, err_r, max_output)
+        run = _Run(proc, status_r, in_w, out_r, err_r, max_output, kill_all)
         try:
             return await run.finish(stdin, timeout, started)
         finally:
@@ -134,9 +139,17 @@ class _Run:
     """One command's pipes, read and written without polling (event loop readers)."""
 
     def __init__(
-        self, proc: subprocess.Popen, status: int, stdin: int, out: int, err: int, cap: int
+        self,
+        proc: subprocess.Popen,
+        status: int,
+        stdin: int,
+        out: int,
+        err: int,
+        cap: int,
+        kill_all: Callable[[], None],
     ) -> None:
         self.proc, self.status_fd, self.stdin, self.cap = proc, status, stdin, cap
+        self.kill_all = kill_all
         self.bufs = {out: bytearray(), err: bytearray(), status: bytearray()}
         self.out, self.err = out, err
         self.truncated = False
@@ -200,14 +213,15 @@ class _Run:
             os.close(self.stdin)
             self.stdin = -1
 
-    def _kill(self) -> None:
-        group = self._field("pid")
-        if group is not None:
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.kill()
+    async def _kill(self) -> None:
+        try:
+            await asyncio.to_thread(self.kill_all)
+        finally:
+            group = self._field("pid")  # in case kill_all failed: the process group at least
+            if group is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signal.SIGKILL)
+            self.proc.kill()
 
     async def finish(self, stdin: bytes, timeout: float, started: float) -> ExecResult:
         feeder = asyncio.ensure_future(self._feed(stdin))
@@ -216,10 +230,10 @@ class _Run:
             await asyncio.wait_for(asyncio.shield(self.ended), timeout)
         except TimeoutError:
             timed_out = True
-            self._kill()
+            await self._kill()
             await self.ended
         except BaseException:  # cancelled: leave nothing running
-            self._kill()
+            await asyncio.shield(self._kill())
             raise
         finally:
             feeder.cancel()

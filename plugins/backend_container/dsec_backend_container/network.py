@@ -9,12 +9,15 @@ and subnets (``egress_bridge``, ``egress_subnet``).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import ipaddress
 import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pyroute2 import IPRoute
@@ -42,7 +45,7 @@ class Egress:
     def _ensure_bridge(self) -> None:
         if self._bridge_ready:
             return
-        with IPRoute() as ip:
+        with _iproute() as ip:
             if not ip.link_lookup(ifname=self.bridge):
                 ip.link("add", ifname=self.bridge, kind="bridge")
             idx = ip.link_lookup(ifname=self.bridge)[0]
@@ -64,7 +67,7 @@ class Egress:
     def close(self) -> None:
         """Remove the bridge, its NAT rule and our ip_forward change, unless a sandbox (of
         any edge) is still attached to it."""
-        with IPRoute() as ip:
+        with _iproute() as ip:
             found = ip.link_lookup(ifname=self.bridge)
             if not found or any(k.get_attr("IFLA_MASTER") == found[0] for k in ip.get_links()):
                 return
@@ -94,12 +97,12 @@ class Egress:
         host_if = "dsv" + sandbox_id[3:14]
         try:
             _new_netns(nsfile)
-            with IPRoute() as ip:
+            with _iproute() as ip:
                 ip.link("add", ifname=host_if, kind="veth",
                         peer={"ifname": "eth0", "net_ns_fd": str(nsfile)})  # fmt: skip
                 idx = ip.link_lookup(ifname=host_if)[0]
                 ip.link("set", index=idx, master=ip.link_lookup(ifname=self.bridge)[0], state="up")
-            with IPRoute(netns=str(nsfile)) as ns:
+            with _iproute(netns=str(nsfile)) as ns:
                 eth = ns.link_lookup(ifname="eth0")[0]
                 ns.addr("add", index=eth, address=addr, prefixlen=self.net.prefixlen)
                 ns.link("set", index=eth, state="up")
@@ -121,6 +124,19 @@ class Egress:
         except FileNotFoundError:
             pass
         self.used.discard(addr or "")
+
+
+@contextmanager
+def _iproute(**kw: object) -> Iterator[IPRoute]:
+    """pyroute2's synchronous IPRoute on a plain selector loop of its own: the edge may run
+    uvloop, whose loops cannot open netlink sockets."""
+    loop = asyncio.SelectorEventLoop()
+    try:
+        with IPRoute(use_event_loop=loop, **kw) as ip:
+            yield ip
+        loop.run_until_complete(asyncio.sleep(0))  # the socket's transport finishes closing
+    finally:
+        loop.close()
 
 
 def _new_netns(nsfile: Path) -> None:

@@ -110,6 +110,30 @@ async def test_privileged_operations_are_refused(backend, box):
     assert not eff & (1 << 21), "CAP_SYS_ADMIN must be dropped"
 
 
+async def test_host_knobs_and_devices_are_out_of_reach(backend, box):
+    """Root in a sandbox is uid 0 on the host: /proc's host-wide files must be read-only or
+    hidden, and no device node can be made (or used from the writable layer)."""
+    r = await sh(
+        backend,
+        box,
+        "for f in /proc/sys/kernel/core_pattern /proc/sysrq-trigger; do"
+        "  (echo x > $f) 2>/dev/null && echo wrote $f; done;"
+        " mknod /tmp/disk b 8 0 2>/dev/null && echo made-device;"
+        " for f in /proc/kcore /proc/keys /proc/timer_list; do"
+        '  [ -n "$(head -c 1 $f 2>/dev/null)" ] && echo shows $f; done;'
+        " cat /proc/sys/kernel/ostype",
+    )
+    assert r.stdout == b"Linux\n", r
+
+
+async def test_file_operations_do_not_hang_on_a_fifo(backend, box):
+    assert (await sh(backend, box, "mkfifo /tmp/pipe /tmp/.f.dsec-tmp")).exit_code == 0
+    with pytest.raises(errors.InvalidArgument, match="not a regular file"):
+        await backend.read_file(ReadFileRequest(sandbox_id=box, path="/tmp/pipe"))
+    await backend.write_file(WriteFileRequest(sandbox_id=box, path="/tmp/f", data=b"ok"))
+    assert (await backend.read_file(ReadFileRequest(sandbox_id=box, path="/tmp/f"))).data == b"ok"
+
+
 async def test_memory_and_process_limits(backend):
     sid = "sb-" + os.urandom(8).hex()
     await backend.create(new(sid, limits=Limits(memory_mb=64, pids=32)))

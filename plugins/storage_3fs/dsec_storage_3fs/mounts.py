@@ -102,7 +102,11 @@ class NodeMounts:
 def _mount(image: Path, mountpoint: Path) -> None:
     mountpoint.mkdir(parents=True, exist_ok=True)
     try:
-        linux.mount(str(image), str(mountpoint), "erofs", MS_RDONLY)
+        # nosuid, nodev: a setuid file or device node in an image (a published sandbox's,
+        # say) gives nothing to a host user who finds the mount
+        linux.mount(
+            str(image), str(mountpoint), "erofs", MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
+        )
     except OSError as e:
         mountpoint.rmdir()
         raise Unavailable(

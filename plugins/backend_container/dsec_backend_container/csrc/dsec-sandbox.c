@@ -107,6 +107,30 @@ static void make_dev(void) {
     symlink("/proc/self/fd/2", "dev/stderr");
 }
 
+/* Host-wide knobs under /proc (sysctls, sysrq, ...) only check uid 0: make them read-only,
+ * and hide what tells about the host (Docker's lists). */
+static void protect_proc(void) {
+    static const char *readonly[] = {"proc/sys", "proc/sysrq-trigger", "proc/irq", "proc/bus",
+                                     "proc/fs"};
+    static const char *hidden[] = {"proc/kcore", "proc/keys", "proc/timer_list",
+                                   "proc/sched_debug", "proc/latency_stats", "proc/acpi",
+                                   "proc/scsi", "proc/asound"};
+    struct stat st;
+    for (size_t i = 0; i < sizeof readonly / sizeof readonly[0]; i++) {
+        if (stat(readonly[i], &st) < 0) continue;
+        must_mount(readonly[i], readonly[i], NULL, MS_BIND | MS_REC, NULL);
+        must_mount(NULL, readonly[i], NULL,
+                   MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    }
+    for (size_t i = 0; i < sizeof hidden / sizeof hidden[0]; i++) {
+        if (stat(hidden[i], &st) < 0) continue;
+        if (S_ISDIR(st.st_mode))
+            must_mount("tmpfs", hidden[i], "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=0");
+        else
+            must_mount("dev/null", hidden[i], NULL, MS_BIND, NULL);
+    }
+}
+
 static void loopback_up(void) {
     int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     if (s < 0) return;
@@ -127,14 +151,16 @@ static void setup_root(const char *rootfs, const char *lower, const char *upper,
         (int)sizeof opts)
         die("overlay options too long");
     must_mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
-    must_mount("overlay", rootfs, "overlay", 0, opts);
+    must_mount("overlay", rootfs, "overlay", MS_NODEV, opts);
     if (chdir(rootfs) < 0) die("chdir %s", rootfs);
     mkdir("proc", 0555);
     must_mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
     mkdir("sys", 0555);
     must_mount("sysfs", "sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
     make_dev();
+    protect_proc();
     mkdir("tmp", 01777);
+    chmod("tmp", 01777); /* the umask applies to mkdir */
     if (syscall(SYS_pivot_root, ".", ".") < 0) die("pivot_root");
     if (umount2(".", MNT_DETACH) < 0) die("umount the old root");
     if (chdir("/") < 0) die("chdir /");
@@ -231,9 +257,10 @@ static void forward(int sig) {
     if (child > 0) kill(-child, sig);
 }
 
-/* capabilities a container keeps (Docker's default set) */
+/* capabilities a container keeps: Docker's default set without CAP_MKNOD (no devices
+ * cgroup here, so a device node made in the sandbox would reach the host's disks) */
 static const int keep_caps[] = {
-    CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FSETID, CAP_FOWNER, CAP_MKNOD, CAP_NET_RAW, CAP_SETGID,
+    CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FSETID, CAP_FOWNER, CAP_NET_RAW, CAP_SETGID,
     CAP_SETUID, CAP_SETFCAP, CAP_SETPCAP, CAP_NET_BIND_SERVICE, CAP_SYS_CHROOT, CAP_KILL,
     CAP_AUDIT_WRITE,
 };
