@@ -5,6 +5,12 @@ its file in the store (EROFS file-backed mount, Linux 6.12+: no loop device, no 
 are fetched from the store when first read). Holders share the mount; the last release
 unmounts it (lazily, so sandboxes that still see it keep working).
 
+With ``direct`` (the default), file data is read from the image with direct I/O (EROFS
+``directio``, where the kernel has it): the node caches it once, in the mounted files' pages,
+rather than a second time in the image file's, and reads what is asked for rather than the
+image device's readahead window (8 MiB here). Measured on the Debian base, ``python3`` with a
+few imports read 16 MiB of the image with it, 40 MiB without.
+
 The refcount is per process (the node's edge owns the node's mounts). A restarted process
 finds the mounts left by its predecessor in ``/proc/self/mountinfo`` (:meth:`NodeMounts.mounted`)
 and takes them over with :meth:`NodeMounts.adopt`.
@@ -31,8 +37,9 @@ _HEX = re.compile(r"^[0-9a-f]{64}$")
 class NodeMounts:
     """Mount points under ``mounts_dir`` and this process's holders of each (thread-safe)."""
 
-    def __init__(self, mounts_dir: Path) -> None:
+    def __init__(self, mounts_dir: Path, direct: bool = True) -> None:
         self.dir = mounts_dir
+        self.direct = direct
         self._holders: dict[str, set[str]] = {}
         self._lock = threading.Lock()
 
@@ -48,7 +55,7 @@ class NodeMounts:
             if users is None:
                 if not os.path.ismount(mountpoint):  # else: left by an earlier process; share
                     check()
-                    _mount(image, mountpoint)
+                    _mount(image, mountpoint, self.direct)
                 users = self._holders[digest] = set()
             users.add(holder)
             return mountpoint
@@ -99,14 +106,19 @@ class NodeMounts:
             pass
 
 
-def _mount(image: Path, mountpoint: Path) -> None:
+def _mount(image: Path, mountpoint: Path, direct: bool) -> None:
     mountpoint.mkdir(parents=True, exist_ok=True)
+    # nosuid, nodev: a setuid file or device node in an image (a published sandbox's, say)
+    # gives nothing to a host user who finds the mount
+    flags = MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
     try:
-        # nosuid, nodev: a setuid file or device node in an image (a published sandbox's,
-        # say) gives nothing to a host user who finds the mount
-        linux.mount(
-            str(image), str(mountpoint), "erofs", MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
-        )
+        try:
+            linux.mount(str(image), str(mountpoint), "erofs", flags, "directio" if direct else None)
+        except OSError as e:
+            if not direct or e.errno != errno.EINVAL:
+                raise
+            # a kernel without EROFS directio, or a store without O_DIRECT: buffered reads
+            linux.mount(str(image), str(mountpoint), "erofs", flags)
     except OSError as e:
         mountpoint.rmdir()
         raise Unavailable(

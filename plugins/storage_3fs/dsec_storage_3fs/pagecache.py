@@ -1,9 +1,9 @@
 """How much of a file sits in this node's page cache: mincore(2) over a shared read-only map.
 
-An EROFS image mounted straight from its file is read through that file's page cache, so the
-resident bytes of the image are the bytes this node has read of the layer (plus readahead).
-Mapping the file reads nothing. ``mmap.mmap`` can't hand a read-only map to ctypes, hence
-libc's mmap.
+An EROFS image mounted straight from its file with buffered reads is read through that
+file's page cache; with direct I/O, its file data lands only in the pages of the files in the
+mount. Either way, resident pages are bytes this node has read of the layer. Mapping a file
+reads nothing. ``mmap.mmap`` can't hand a read-only map to ctypes, hence libc's mmap.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import mmap
 import os
 from pathlib import Path
 
-__all__ = ["resident_bytes"]
+__all__ = ["resident_bytes", "tree_resident_bytes"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -48,3 +48,17 @@ def resident_bytes(path: Path) -> tuple[int, int]:
         return min(resident * mmap.PAGESIZE, size), size
     finally:
         os.close(fd)
+
+
+def tree_resident_bytes(root: Path) -> int:
+    """Resident bytes of every regular file under ``root`` (symlinks not followed)."""
+    total = 0
+    for top, _dirs, files in os.walk(root):
+        for name in files:
+            path = Path(top, name)
+            if not path.is_symlink() and path.is_file():
+                try:
+                    total += resident_bytes(path)[0]
+                except OSError:
+                    pass
+    return total

@@ -46,7 +46,7 @@ from dsec_kernel.storage import KINDS, GcReport, Kind, Layer, LayerStore, LayerU
 from dsec_storage_3fs import erofs
 from dsec_storage_3fs.build import Built, build_image
 from dsec_storage_3fs.mounts import NodeMounts
-from dsec_storage_3fs.pagecache import resident_bytes
+from dsec_storage_3fs.pagecache import resident_bytes, tree_resident_bytes
 
 __all__ = ["ThreeFsConfig", "ThreeFsStore"]
 
@@ -75,6 +75,9 @@ class ThreeFsConfig(BaseModel):
     gc_grace_s: float = Field(
         600.0, ge=0, description="gc keeps unnamed images younger than this (imports in flight)"
     )
+    direct_io: bool = Field(
+        True, description="read image data with direct I/O: cached once, no readahead waste"
+    )
 
 
 class ThreeFsStore(LayerStore):
@@ -87,7 +90,7 @@ class ThreeFsStore(LayerStore):
         super().__init__(config)
         self.root: Path = self.config.root
         self.cache_dir: Path = self.config.cache_dir or default_state_dir() / "layer-cache"
-        self._mounts = NodeMounts(self.cache_dir / "mounts")
+        self._mounts = NodeMounts(self.cache_dir / "mounts", self.config.direct_io)
         self._sizes: dict[str, int] = {}  # digest -> image size, from records read
 
     # -- catalog -----------------------------------------------------------------------------
@@ -253,8 +256,14 @@ class ThreeFsStore(LayerStore):
         return sorted(unquote(n) for n in names if not n.startswith("."))
 
     def usage(self, digest: str) -> LayerUsage:
+        """Bytes of the image in this node's page cache: its own pages (all it read, with
+        buffered mounts; its metadata, with direct I/O) plus, while it is mounted, the pages
+        of the files in the mount (what direct I/O read)."""
         resident, size = resident_bytes(self.image_path(digest))
-        return LayerUsage(digest=digest, size=size, bytes_read=resident)
+        mountpoint = self.mounted().get(digest)
+        if mountpoint is not None:
+            resident += tree_resident_bytes(mountpoint)
+        return LayerUsage(digest=digest, size=size, bytes_read=min(resident, size))
 
     def mounted(self) -> dict[str, Path]:
         """digest -> mount point of every image of this store mounted on this node."""

@@ -7,6 +7,7 @@ import os
 
 import pytest
 from dsec_storage_3fs import ThreeFsStore
+from dsec_storage_3fs.pagecache import resident_bytes
 
 from dsec_kernel import linux
 from dsec_kernel.errors import Conflict, InvalidArgument, NotFound
@@ -114,6 +115,10 @@ def test_usage_counts_the_bytes_read_through_the_mount(store, tmp_path, mounted)
     assert (mp / "data").read_bytes() == (src / "data").read_bytes()
     after = store.usage(layer.digest)
     assert 20 << 20 <= after.bytes_read <= after.size and after.fraction > 0.99
+    # direct I/O: the data is cached once, in the mounted file, not in the image file too
+    with open("/proc/self/mounts") as f:
+        assert "directio" in next(line for line in f if str(mp) in line)
+    assert resident_bytes(store.image_path(layer.digest))[0] < 2 << 20
 
 
 def test_adopt_takes_over_mounts_after_a_restart(store, sample_tree, tmp_path):
