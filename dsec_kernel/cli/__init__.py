@@ -72,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--count", type=int, default=1)
     s.add_argument("--backend", default="fncall")
     s.add_argument("--ttl", type=float)
+    s.add_argument("--base", help="base layer name:version (container backend)")
+    s.add_argument("--workspace", help="workspace layer name:version")
+    s.add_argument("--toolkit", action="append", default=[], help="toolkit layer (repeatable)")
+    s.add_argument("--network", choices=["none", "egress"], default="none")
 
     sub.add_parser("ls", help="list your sandboxes")
     sub.add_parser("nodes", help="list nodes")
@@ -158,6 +162,7 @@ async def _client_cmd(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from dsec_kernel.sdk import AsyncClient
+    from dsec_kernel.wire import Env
 
     console = Console()
     async with AsyncClient() as c:
@@ -168,6 +173,10 @@ async def _client_cmd(args: argparse.Namespace) -> int:
                     args.count,
                     backend=args.backend,
                     ttl=args.ttl,
+                    env=Env(base=args.base, workspace=args.workspace, toolkits=args.toolkit)
+                    if args.base
+                    else None,
+                    network=args.network,
                     progress=lambda done, total: bar.update(task, completed=done),
                 )
             print("\n".join(sb.id for sb in sbs))
