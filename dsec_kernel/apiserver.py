@@ -306,6 +306,12 @@ class ApiServer:
                 f"no node runs backend {backend!r}; backends in this cluster: "
                 f"{', '.join(known) or 'none (is an edge running?)'}"
             )
+        if r.spec.snapshot and not any(
+            (b := v.info.backend(backend)) and b.capabilities.fork for v in self.views.values()
+        ):
+            raise errors.Unsupported(
+                f"backend {backend!r} cannot start sandboxes from a snapshot (no fork capability)"
+            )
         now = time.time()
         expires = now + r.spec.ttl_s if r.spec.ttl_s else None
         todo = [

@@ -125,6 +125,16 @@ class LayerStore(abc.ABC):
         """``holder`` no longer uses the layer; the last release unmounts it. Idempotent."""
 
     @abc.abstractmethod
+    def pin(self, digest: str, holder: str) -> None:
+        """Hold the layer without mounting it, for something built on it (a snapshot):
+        ``remove`` refuses and ``gc`` keeps it while pinned. NotFound if the image is gone.
+        Holders of pins start with ``@`` (e.g. ``@snapshot/<id>``), never a node name."""
+
+    @abc.abstractmethod
+    def unpin(self, digest: str, holder: str) -> None:
+        """Drop a pin. Idempotent."""
+
+    @abc.abstractmethod
     def holders(self, digest: str) -> list[str]:
         """Who holds the layer, on any node."""
 

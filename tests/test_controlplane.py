@@ -23,7 +23,7 @@ from dsec_kernel.natsserver import NatsServer
 from dsec_kernel.placement import LeastLoaded
 from dsec_kernel.plugins import Hooks
 from dsec_kernel.state import ClusterState
-from dsec_kernel.wire import EdgeSandbox, SandboxSpec
+from dsec_kernel.wire import CreateRequest, CreateResponse, EdgeSandbox, SandboxSpec
 
 HEARTBEAT = 0.2
 NODE_TIMEOUT = 1.5
@@ -176,6 +176,9 @@ async def test_bad_input_gets_typed_errors_and_changes_nothing(platform):
         await c.create(count=0, backend="noop")
     with pytest.raises(errors.InvalidArgument, match="ttl_s"):
         await c.create(count=1, backend="noop", ttl=-5)
+    forked = SandboxSpec(backend="noop", snapshot="snap-" + "0" * 16)
+    with pytest.raises(errors.Unsupported, match="snapshot"):
+        await c._call("create", CreateRequest(spec=forked), CreateResponse)
     headers = c._headers
     for raw in (
         b"not json",

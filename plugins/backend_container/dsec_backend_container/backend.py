@@ -179,7 +179,7 @@ class ContainerBackend(Backend):
         if why := favor_dynamic_changes():
             log.warning("starting a sandbox waits for an RCU grace period: %s", why)
         self.snapshots = Snapshots(
-            self.store.snapshots_root(),
+            self.store,
             self.config.snapshot_max_depth,
             self.config.snapshot_grace_s,
         )
@@ -393,7 +393,9 @@ class ContainerBackend(Backend):
         return SandboxStatus(sandbox_id=ref.sandbox_id, state="ready" if alive else "failed")
 
     async def list_sandboxes(self) -> list[str]:
-        return sorted(self.metas)
+        """Sandboxes whose init runs: one whose init died is left out, so the edge's
+        reconciliation reports it lost (and then has it destroyed)."""
+        return sorted(i for i, m in self.metas.items() if process_start(m.init_pid) == m.init_start)
 
     # -- work inside -------------------------------------------------------------------------
 
@@ -510,8 +512,8 @@ class ContainerBackend(Backend):
         sd = SandboxDir(self.root, meta.id)
         self._kill_init(meta)
         sd.fresh_upper(self.trash)
-        mounts = self.store.mounted()
-        lowers = self.snapshots.deltas(chain) + [mounts[d] for d in meta.layers]
+        mine = self._holder(meta.id)  # its layers are mounted (unless unmounted behind its back)
+        lowers = self.snapshots.deltas(chain) + [self.store.mount(d, mine) for d in meta.layers]
         netns = sd.path / "netns" if meta.network == "egress" else None
         meta.init_pid = self.helper.start_init(
             sd.rootfs, lowers, sd.upper, sd.work, self.config.hostname,

@@ -10,7 +10,9 @@ can restore or fork from them).
                    (``sb.<node>.<id>``) or its child snapshot (``snap.<id>``)
 
 Holds are transitive: every snapshot holds its parent, so holding a chain's newest snapshot
-holds the whole chain, and taking or restoring costs one hold however deep the chain.
+holds the whole chain, and taking or restoring costs one hold however deep the chain. The
+root of a chain (depth 1) pins its environment's layers in the layer store
+(``@snapshot/<id>``), so a layer cannot be removed from under a snapshot built on it.
 
 A chain deeper than ``max_depth`` is compacted: the new snapshot's delta then holds the whole
 chain merged (depth 1). A snapshot nothing holds, not kept, and unused for ``grace_s`` is
@@ -31,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_backend_container.overlay import Entry, apply, copy_entry, scan, whiteout
 from dsec_kernel import errors
+from dsec_kernel.storage import LayerStore
 
 __all__ = ["SnapshotMeta", "Snapshots"]
 
@@ -51,11 +54,11 @@ class SnapshotMeta(BaseModel):
 
 
 class Snapshots:
-    def __init__(self, root: Path, max_depth: int = 16, grace_s: float = 60.0) -> None:
-        self.root = root
+    def __init__(self, store: LayerStore, max_depth: int = 16, grace_s: float = 60.0) -> None:
+        self.store = store
+        self.root = store.snapshots_root()
         self.max_depth = max_depth
         self.grace_s = grace_s
-        root.mkdir(parents=True, exist_ok=True)
 
     def _dir(self, snap_id: str) -> Path:
         return self.root / snap_id
@@ -154,11 +157,23 @@ class Snapshots:
             (tmp / "meta.json").write_text(meta.model_dump_json())
             if parent:
                 self.hold(parent, f"snap.{snap_id}")
+            else:
+                self._pin(meta)
             tmp.rename(self._dir(snap_id))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            if parent is None:
+                self._unpin(snap_id, layers)
             raise
         return meta
+
+    def _pin(self, meta: SnapshotMeta) -> None:
+        for digest in meta.layers:
+            self.store.pin(digest, f"@snapshot/{meta.id}")
+
+    def _unpin(self, snap_id: str, layers: list[str]) -> None:
+        for digest in layers:
+            self.store.unpin(digest, f"@snapshot/{snap_id}")
 
     # -- collecting ------------------------------------------------------------------------------
 
@@ -187,6 +202,8 @@ class Snapshots:
                     continue
                 if meta.parent:
                     self.release([meta.parent], f"snap.{meta.id}")
+                else:
+                    self._unpin(meta.id, meta.layers)
                 shutil.rmtree(trash, ignore_errors=True)
                 removed.append(meta.id)
                 progress = True

@@ -1,12 +1,12 @@
-"""Fixtures for the container backend's tests: a layer store with a busybox base (and, for
-the tests that need Python, a Debian base built once per machine), a started backend."""
+"""Fixtures for the container backend's tests: a layer store with a busybox base, a started
+backend."""
 
 from __future__ import annotations
 
 import pytest
 import pytest_asyncio
 from dsec_backend_container.backend import ContainerBackend, ContainerConfig
-from dsec_storage_3fs.images import busybox_tree, debian_python, ensure_layer
+from dsec_storage_3fs.images import busybox_tree, ensure_layer
 
 from dsec_kernel.conformance import started
 from dsec_kernel.storage import open_store
@@ -30,12 +30,6 @@ def store_config(tmp_path_factory):
     if not REASON:
         ensure_layer(open_store("3fs", cfg), "base", "busybox", "1", busybox_tree)
     return cfg
-
-
-@pytest.fixture(scope="session")
-def debian_layer(store_config):
-    """``debian-python:12`` in the test store (its tree is built once per machine)."""
-    return debian_python(open_store("3fs", store_config))
 
 
 @pytest.fixture(scope="session")

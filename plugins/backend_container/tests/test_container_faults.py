@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import time
 
 import pytest
@@ -133,3 +135,20 @@ async def test_the_trash_deletes_what_it_is_given_and_what_a_crash_left(tmp_path
     trash.discard(tmp_path / "missing")  # nothing to do
     trash.close()
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_a_sandbox_whose_init_dies_is_reported_failed_and_left_out(backend):
+    """The edge's reconciliation works from list_sandboxes: a dead init must not be listed."""
+    sb = new(Env(base="busybox:1"))
+    await backend.create(sb)
+    try:
+        os.kill(backend.metas[sb.id].init_pid, signal.SIGKILL)
+        for _ in range(100):
+            if (await backend.status(SandboxRef(sandbox_id=sb.id))).state == "failed":
+                break
+            await asyncio.sleep(0.02)
+        assert (await backend.status(SandboxRef(sandbox_id=sb.id))).state == "failed"
+        assert sb.id not in await backend.list_sandboxes()
+    finally:
+        await backend.destroy(SandboxRef(sandbox_id=sb.id))
+    assert leftovers(backend, sb.id) == []

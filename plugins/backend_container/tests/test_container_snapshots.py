@@ -164,3 +164,19 @@ async def test_a_snapshot_published_as_a_layer_starts_new_sandboxes(backend):
         await backend.destroy(SandboxRef(sandbox_id=user.id))
     finally:
         await backend.destroy(SandboxRef(sandbox_id=sb.id))
+
+
+async def test_a_snapshot_pins_its_layers_until_it_is_collected(backend, tmp_path):
+    tree = tmp_path / "tk"
+    (tree / "opt").mkdir(parents=True)
+    (tree / "opt" / "tool").write_text("v1")
+    store = backend.store
+    store.import_layer(str(tree), "toolkit", "pinned", "1")
+    sb = new(env=Env(base="busybox:1", toolkits=["pinned:1"]))
+    await backend.create(sb)
+    snap = await backend.snapshot(SnapshotRequest(sandbox_id=sb.id))
+    await backend.destroy(SandboxRef(sandbox_id=sb.id))
+    with pytest.raises(errors.Conflict, match=f"@snapshot/{snap.id}"):
+        store.remove("pinned", "1")
+    assert snap.id in backend.snapshots.gc()
+    store.remove("pinned", "1")

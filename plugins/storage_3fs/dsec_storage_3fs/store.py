@@ -248,6 +248,15 @@ class ThreeFsStore(LayerStore):
         self._hold(digest, holder).unlink(missing_ok=True)
         self._mounts.release(digest, holder)
 
+    def pin(self, digest: str, holder: str) -> None:
+        if not holder.startswith("@"):
+            raise InvalidArgument(f"pin holder {holder!r} must start with '@'")
+        self.image_path(digest)  # NotFound if gone
+        _atomic_write(self._hold(digest, holder), json.dumps({"holder": holder}).encode())
+
+    def unpin(self, digest: str, holder: str) -> None:
+        self._hold(digest, holder).unlink(missing_ok=True)
+
     def holders(self, digest: str) -> list[str]:
         try:
             names = os.listdir(self.root / "holds" / _hex(digest))
