@@ -55,12 +55,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchlib import leftovers
 from dsec_backend_container.backend import ContainerBackend, ContainerConfig
-from dsec_backend_container.layout import process_start
 from dsec_storage_3fs.images import busybox_tree, ensure_layer
-from dsec_storage_3fs.mounts import mount_table
+from dsec_storage_3fs.mounts import unmount_under
 
-from dsec_kernel import linux
 from dsec_kernel.backend import ExecCall, SandboxRef
 from dsec_kernel.cgroups import v1_controllers
 from dsec_kernel.conformance import started
@@ -519,30 +518,12 @@ async def run_containers(
 # -- cleanup check -----------------------------------------------------------------------------
 
 
-def leftovers(tmp: Path, seen: Seen) -> list[str]:
-    found = []
-    top = os.path.realpath(tmp) + "/"
-    mounts = [t for t, _ in mount_table() if t.startswith(top)]
-    if mounts:
-        found.append(f"{len(mounts)} mount(s) under {tmp}")
-    groups = [str(g) for g in seen.cgroups if g.exists()]
-    if groups:
-        found.append(f"cgroups {', '.join(groups)}")
-    alive = [pid for pid, start in seen.inits if start and process_start(pid) == start]
-    if alive:
-        found.append(f"{len(alive)} sandbox init(s) still running, e.g. pid {alive[0]}")
+def left_behind(tmp: Path, seen: Seen) -> list[str]:
+    found = leftovers(tmp, seen.cgroups, seen.inits)
     kids = [pid for pid in children(os.getpid()) if comm(pid) in ("unshare", "sleep")]
     if kids:
         found.append(f"{len(kids)} baseline process(es) still running")
     return found
-
-
-def unmount_under(tmp: Path) -> None:
-    top = os.path.realpath(tmp) + "/"
-    for target, _ in sorted(mount_table(), key=lambda m: -len(m[0])):
-        if target.startswith(top):
-            with contextlib.suppress(OSError):
-                linux.umount(target, linux.MNT_DETACH)
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -604,7 +585,7 @@ def main() -> None:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the cleanup finish
         unmount_under(tmp)
-        left = leftovers(tmp, seen)
+        left = left_behind(tmp, seen)
         shutil.rmtree(tmp, ignore_errors=True)
         print("cleanup: " + ("; ".join(left) if left else "no sandboxes, cgroups or mounts left"))
         signal.signal(signal.SIGINT, signal.default_int_handler)

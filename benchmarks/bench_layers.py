@@ -69,13 +69,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
+from benchlib import leftovers
 from dsec_backend_container.backend import ContainerBackend, ContainerConfig
-from dsec_backend_container.layout import process_start
 from dsec_storage_3fs.images import debian_python
-from dsec_storage_3fs.mounts import mount_table
+from dsec_storage_3fs.mounts import unmount_under
 from dsec_storage_3fs.pagecache import tree_resident_bytes
 
-from dsec_kernel import linux
 from dsec_kernel.backend import ExecCall, SandboxRef
 from dsec_kernel.conformance import started
 from dsec_kernel.errors import DsecError, NotFound
@@ -458,26 +457,6 @@ async def run(args: argparse.Namespace, tmp: Path, seen: dict[str, list]) -> Non
             await destroy_all(b)
 
 
-def leftovers(tmp: Path, seen: dict[str, list]) -> list[str]:
-    found = []
-    top = os.path.realpath(tmp) + "/"
-    mounts = [t for t, _ in mount_table() if t.startswith(top)]
-    if mounts:
-        found.append(f"{len(mounts)} mount(s) under {tmp}")
-    groups = [str(g) for g in seen["cgroups"] if g.exists()]
-    if groups:
-        found.append(f"cgroups {', '.join(groups)}")
-    alive = [
-        pid
-        for s in seen["sides"]
-        for pid, start in s.inits
-        if start and process_start(pid) == start
-    ]
-    if alive:
-        found.append(f"{len(alive)} sandbox init(s) still running, e.g. pid {alive[0]}")
-    return found
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -501,12 +480,8 @@ def main() -> None:
         print(f"failed: {e}", file=sys.stderr)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # let the cleanup finish
-        top = os.path.realpath(tmp) + "/"
-        for target, _ in sorted(mount_table(), key=lambda m: -len(m[0])):
-            if target.startswith(top):
-                with contextlib.suppress(OSError):
-                    linux.umount(target, linux.MNT_DETACH)
-        left = leftovers(tmp, seen)
+        unmount_under(tmp)
+        left = leftovers(tmp, seen["cgroups"], [i for s in seen["sides"] for i in s.inits])
         shutil.rmtree(tmp, ignore_errors=True)
         print("cleanup: " + ("; ".join(left) if left else "no sandboxes, cgroups or mounts left"))
         signal.signal(signal.SIGINT, signal.default_int_handler)

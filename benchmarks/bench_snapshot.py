@@ -13,7 +13,8 @@ files (appending a line, so each is copied up whole into the writable layer), th
   ``await sb.restore(snap)`` through the SDK: files as at the snapshot, that process gone.
 
 Every round's chain grows by one, so compaction (at the backend's chain bound) is inside the
-numbers. The baseline is what a home-made pool does: ``tar -cf`` of the workspace directory
+numbers (it is the p99). Both sides start after ``sync``, so neither competes with the set-up's
+writeback; the disk's speed still varies between runs, so run it more than once. The baseline is what a home-made pool does: ``tar -cf`` of the workspace directory
 (snapshot) and ``rm -rf`` + ``tar -xf`` (restore), on the host's local disk with a warm page
 cache — the most favourable conditions for tar.
 
@@ -143,6 +144,7 @@ def main() -> None:
         ws = store.import_layer(str(tree), "workspace", "bench-ws", "1")
         print(f"workspace: {args.files} files, {args.mb} MB, layer image "
               f"{ws.size / 2**20:.0f} MiB, built in {time.perf_counter() - t:.1f} s")  # fmt: skip
+        os.sync()  # the set-up's 400 MB of writes are not left to compete with what is timed
         env = dsec.Env(base="busybox:1", workspace="bench-ws:1")
         with LocalCluster(root / "cluster", {"DSEC_STORAGE_CONFIG__ROOT": store_cfg["root"]}) as cl:
             cl.start_nats()
@@ -151,6 +153,7 @@ def main() -> None:
             ours = asyncio.run(dsec_side(cl, env, paths, args.rounds))
         scratch = root / "scratch"
         scratch.mkdir()
+        os.sync()
         tar = tar_side(tree, scratch, args.tar_runs)
     print(f"{'':<32} {'p50 ms':>9} {'p99 ms':>9}")
     for what in ("snapshot", "restore"):

@@ -23,10 +23,9 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from dsec_kernel import linux
 from dsec_kernel.errors import NotFound, Unavailable
 from dsec_kernel.storage import Kind, Layer, LayerStore, Progress
-from dsec_storage_3fs.mounts import mount_table
+from dsec_storage_3fs.mounts import unmount_under
 
 __all__ = [
     "APPLETS",
@@ -124,7 +123,7 @@ def debian_tree(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        _unmount_under(dest)
+        unmount_under(dest)
         if isinstance(e, subprocess.TimeoutExpired):
             raise Unavailable(
                 f"debootstrap from {mirror} did not finish in {timeout:.0f} s; stopped it",
@@ -132,7 +131,7 @@ def debian_tree(
             ) from None
         raise
     if proc.returncode:
-        _unmount_under(dest)
+        unmount_under(dest)
         raise Unavailable(
             f"debootstrap of bookworm from {mirror} failed (exit {proc.returncode}); "
             f"check the mirror is reachable. Last output: {out.strip()[-1500:]}",
@@ -201,12 +200,3 @@ def _is_static(path: Path) -> bool:
         table = f.read(entsize * count)
     types = {int.from_bytes(table[i : i + 4], "little") for i in range(0, len(table), entsize)}
     return 3 not in types
-
-
-def _unmount_under(root: Path) -> None:
-    """Lazily unmount whatever a killed debootstrap left mounted below ``root``."""
-    top = os.path.realpath(root) + "/"
-    for target, _fstype in sorted(mount_table(), key=lambda m: -len(m[0])):
-        if target.startswith(top):
-            with contextlib.suppress(OSError):
-                linux.umount(target, linux.MNT_DETACH)

@@ -28,7 +28,7 @@ from pathlib import Path
 from dsec_kernel import linux
 from dsec_kernel.errors import Unavailable
 
-__all__ = ["MS_RDONLY", "NodeMounts", "mount_table"]
+__all__ = ["MS_RDONLY", "NodeMounts", "mount_table", "unmount_under"]
 
 MS_RDONLY = 0x1
 _HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -138,3 +138,14 @@ def mount_table() -> list[tuple[str, str]]:
             target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])  # \040...
             table.append((target, fields[fields.index("-") + 1]))
     return table
+
+
+def unmount_under(root: Path) -> None:
+    """Lazily unmount every mount below ``root``, deepest first (what a killed process left)."""
+    top = os.path.realpath(root) + "/"
+    for target, _fstype in sorted(mount_table(), key=lambda m: -len(m[0])):
+        if target.startswith(top):
+            try:
+                linux.umount(target, linux.MNT_DETACH)
+            except OSError:
+                pass
