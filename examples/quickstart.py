@@ -40,8 +40,35 @@ async def main() -> None:
         await c.destroy(sbs)
         print("destroyed; left:", len(await c.list()))
 
+        if any(n.backend("container") for n in nodes):
+            await containers(c)
+
     with dsec.Client() as c:  # the same surface, synchronous
         print("sync fncall:", c.fncall("echo $((6*7))", language="bash").stdout.decode().strip())
+
+
+async def containers(c: dsec.AsyncClient) -> None:
+    """Stateful sandboxes on a layer: files, a snapshot, a diff, a restore and two forks."""
+    from dsec_storage_3fs.images import busybox_tree, ensure_layer
+
+    from dsec_kernel.storage import open_store
+
+    ensure_layer(open_store(), "base", "busybox", "1", busybox_tree)  # once per store
+    env = dsec.Env(base="busybox:1")
+    sbs = await c.create(count=4, backend="container", env=env, limits=dsec.Limits(pids=64))
+    sb = sbs[0]
+    await sb.exec("mkdir /work && echo v1 > /work/answer.txt")
+    snap = await sb.snapshot()
+    await sb.exec("echo v2 > /work/answer.txt && touch /work/scratch && sleep 600 &")
+    diff = await sb.fs_diff(since=snap)
+    print("container: since the snapshot, modified", diff.modified, "added", diff.added)
+    await sb.restore(snap)
+    r = await sb.exec("cat /work/answer.txt; ls /work; pgrep sleep || echo 'no sleep'")
+    print("container: restored:", r.stdout.decode().split())
+    forks = await c.create(count=2, from_snapshot=snap)
+    print("container: forks see", [(await f.exec("cat /work/answer.txt")).stdout for f in forks])
+    print("container: commands run in the first:", [" ".join(x.argv) for x in await sb.commands()])
+    await c.destroy(sbs + forks)
 
 
 if __name__ == "__main__":
