@@ -55,9 +55,7 @@ def pct(xs: list[float], p: float) -> float:
 
 async def dsec_side(cluster: LocalCluster, sequential: int, burst: int) -> dict[str, float]:
     await cluster.ready()
-    conn = cluster.conn
-    assert conn is not None
-    async with dsec.AsyncClient(url=conn.url, token=conn.token, timeout=300) as c:
+    async with cluster.client(timeout=300) as c:
         for _ in range(5):  # warm the path
             await c.destroy(await c.create(count=1, backend="container", env=BUSYBOX))
         create, destroy = [], []

@@ -73,13 +73,11 @@ async def through_sdk(
 
 async def run(cluster: LocalCluster, calls: int, concurrency: int) -> None:
     await cluster.ready()
-    conn = cluster.conn
-    assert conn is not None
     print(
         f"{'case':<18} {'p50 ms':>8} {'p99 ms':>8} {'calls/s':>9}   "
         f"{'baseline p50':>12} {'calls/s':>8}   p50 ratio  rate ratio"
     )
-    async with dsec.AsyncClient(url=conn.url, token=conn.token) as c:
+    async with cluster.client() as c:
         for name, (code, language, argv) in CASES.items():
             lat, rate = await through_sdk(c, code, language, calls, concurrency)
             blat, brate = await asyncio.to_thread(baseline, argv, calls, concurrency)

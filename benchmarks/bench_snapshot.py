@@ -14,9 +14,10 @@ files (appending a line, so each is copied up whole into the writable layer), th
 
 Every round's chain grows by one, so compaction (at the backend's chain bound) is inside the
 numbers (it is the p99). Both sides start after ``sync``, so neither competes with the set-up's
-writeback; the disk's speed still varies between runs, so run it more than once. The baseline is what a home-made pool does: ``tar -cf`` of the workspace directory
-(snapshot) and ``rm -rf`` + ``tar -xf`` (restore), on the host's local disk with a warm page
-cache — the most favourable conditions for tar.
+writeback; the disk's speed still varies between runs, so run it more than once. The baseline
+is what a home-made pool does: ``tar -cf`` of the workspace directory (snapshot) and ``rm -rf``
++ ``tar -xf`` (restore), on the host's local disk with a warm page cache — the most favourable
+conditions for tar.
 
 Targets: snapshot p50 ≤ 20 ms, restore p50 ≤ 50 ms, both at least 50 times faster than tar.
 """
@@ -77,13 +78,11 @@ async def dsec_side(
     cluster: LocalCluster, env: dsec.Env, paths: list[str], rounds: int
 ) -> dict[str, list[float] | int]:
     await cluster.ready()
-    conn = cluster.conn
-    assert conn is not None
     rng = random.Random(1)
     snap_s: list[float] = []
     restore_s: list[float] = []
     delta_bytes: list[int] = []
-    async with dsec.AsyncClient(url=conn.url, token=conn.token, timeout=300) as c:
+    async with cluster.client(timeout=300) as c:
         [sb] = await c.create(count=1, backend="container", env=env)
         async with sb:
             for r in range(rounds):

@@ -20,6 +20,7 @@ from dsec_kernel import bus, errors
 from dsec_kernel.connection import Connection
 from dsec_kernel.natsserver import NatsServer
 from dsec_kernel.procs import die_with_parent, stop_process
+from dsec_kernel.sdk import AsyncClient
 from dsec_kernel.state import ClusterState, token_key
 from dsec_kernel.wire import NodeInfo, NodesRequest, NodesResponse
 
@@ -152,6 +153,12 @@ class LocalCluster:
     def url(self) -> str:
         """The service URL (apiservers, edges, operator commands)."""
         return self.nats.service_url
+
+    def client(self, **kw: object) -> AsyncClient:
+        """An SDK client of the default tenant (after :meth:`ready`); ``kw`` as AsyncClient's."""
+        if self.conn is None:
+            raise errors.Unavailable("the cluster is not ready: await ready() first")
+        return AsyncClient(url=self.conn.url, token=self.conn.token, **kw)  # type: ignore[arg-type]
 
     def start_nats(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)

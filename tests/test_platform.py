@@ -42,14 +42,10 @@ def cluster(local_cluster):
     return c
 
 
-def client(cluster) -> dsec.AsyncClient:
-    return dsec.AsyncClient(url=cluster.conn.url, token=cluster.conn.token)
-
-
 async def test_sdk_end_to_end(cluster):
     cluster.start_edge("n1", ["fncall"])
     await cluster.ready()
-    async with client(cluster) as c:
+    async with cluster.client() as c:
         sbs = await c.create(count=8, backend="fncall", ttl=600)
         results = await c.exec_many(sbs, "echo hi", timeout=10)
         assert [r.stdout for r in results] == [b"hi\n"] * 8
@@ -111,7 +107,7 @@ async def test_edge_killed_mid_call(cluster):
     cluster.start_edge("a", ["fncall"], "--heartbeat", "0.2")
     cluster.start_edge("b", ["fncall"], "--heartbeat", "0.2")
     await cluster.ready()
-    async with client(cluster) as c:
+    async with cluster.client() as c:
         sbs = await c.create(count=4, backend="fncall")
         on_a = next(sb for sb in sbs if sb.node == "a")
         call = asyncio.ensure_future(on_a.exec("sleep 60", timeout=60))
@@ -143,7 +139,7 @@ async def test_edge_killed_mid_call(cluster):
 async def test_edge_restart_keeps_fncall_sandboxes(cluster):
     cluster.start_edge("a", ["fncall"])
     await cluster.ready()
-    async with client(cluster) as c:
+    async with cluster.client() as c:
         [sb] = await c.create(count=1, backend="fncall")
         await sb.write_file("/tmp/kept", b"still here")
         cluster.edges["a"].stop()

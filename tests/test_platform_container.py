@@ -34,15 +34,11 @@ def cluster(local_cluster, tmp_path):
     return c
 
 
-def client(cluster) -> dsec.AsyncClient:
-    return dsec.AsyncClient(url=cluster.conn.url, token=cluster.conn.token)
-
-
 async def test_an_rl_step_loop_through_the_sdk(cluster):
     cluster.start_edge("n1", ["container"], "--heartbeat", "0.2")
     cluster.start_edge("n2", ["container"], "--heartbeat", "0.2")
     await cluster.ready()
-    async with client(cluster) as c:
+    async with cluster.client() as c:
         sbs = await c.create(count=2, backend="container", env=BUSYBOX,
                              limits=dsec.Limits(cpus=1, memory_mb=256, pids=128))  # fmt: skip
         assert Counter(sb.node for sb in sbs) == {"n1": 1, "n2": 1}
@@ -93,7 +89,7 @@ async def test_an_egress_sandbox_through_the_sdk(cluster):
     """network="egress" end to end: the edge (on its own event loop, uvloop) makes the veth."""
     cluster.start_edge("e", ["container"], "--heartbeat", "0.2")
     await cluster.ready()
-    async with client(cluster) as c:
+    async with cluster.client() as c:
         out, closed = await asyncio.gather(
             c.create(count=1, backend="container", env=BUSYBOX, network="egress"),
             c.create(count=1, backend="container", env=BUSYBOX),
@@ -111,7 +107,7 @@ async def test_an_edge_killed_mid_create_leaves_nothing_after_it_restarts(cluste
     cluster.start_edge("a", ["container"], "--heartbeat", "0.2")
     await cluster.ready()
     backend_dir = Path(cluster.state_dir, "nodes", "a", "backends", "container")
-    async with client(cluster) as c:
+    async with cluster.client() as c:
         creating = asyncio.ensure_future(c.create(count=60, backend="container", env=BUSYBOX))
         deadline = time.monotonic() + 20
         while not cgroup_sandboxes(backend_dir) and time.monotonic() < deadline:

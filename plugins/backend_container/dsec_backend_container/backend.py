@@ -210,7 +210,7 @@ class ContainerBackend(Backend):
             except (OSError, ValueError):
                 self._cleanup(sd, None)
                 continue
-            if meta.init_pid and process_start(meta.init_pid) == meta.init_start:
+            if meta.alive():
                 self.metas[meta.id] = meta
                 if meta.address:
                     self.egress.used.add(meta.address)
@@ -225,7 +225,7 @@ class ContainerBackend(Backend):
                 if holder.split("/", 1)[-1] not in self.metas:
                     self.store.release(digest, holder)
         self.snapshots.drop_holders(
-            f"sb.{self.node}.", keep={f"sb.{self.node}.{i}" for i in self.metas}
+            self._snap_holder(""), keep={self._snap_holder(i) for i in self.metas}
         )
 
     async def _collect(self) -> None:
@@ -250,7 +250,12 @@ class ContainerBackend(Backend):
         return meta
 
     def _holder(self, sandbox_id: str) -> str:
+        """The sandbox as a holder of layers."""
         return f"{self.node}/{sandbox_id}"
+
+    def _snap_holder(self, sandbox_id: str) -> str:
+        """The sandbox as a holder of snapshots."""
+        return f"sb.{self.node}.{sandbox_id}"
 
     def _group(self, sandbox_id: str) -> Group:
         return Group.under(self.cgroups.dirs, sandbox_id)
@@ -298,7 +303,7 @@ class ContainerBackend(Backend):
             layers, chain = self._layers_for(sandbox)
             sd.create()
             if chain:
-                self.snapshots.hold(chain[0], f"sb.{self.node}.{sandbox.id}")
+                self.snapshots.hold(chain[0], self._snap_holder(sandbox.id))
             lowers = self.snapshots.deltas(chain)
             for digest in layers:
                 lowers.append(self.store.mount(digest, holder))
@@ -309,21 +314,24 @@ class ContainerBackend(Backend):
                 layers=layers, chain=chain, origin=chain, limits=spec.limits,
                 network=spec.network, last_snapshot=chain[0] if chain else None,
             )  # fmt: skip
-            netns = None
             if spec.network == "egress":
-                netns = sd.path / "netns"
-                meta.address = self.egress.create(sandbox.id, netns)
-            meta.init_pid = self.helper.start_init(
-                sd.rootfs, lowers, sd.upper, sd.work, self.config.hostname,
-                self._procs(sandbox.id), netns,
-            )  # fmt: skip
-            meta.init_start = process_start(meta.init_pid) or 0
-            _protect(meta.init_pid)
+                meta.address = self.egress.create(sandbox.id, sd.path / "netns")
+            self._start_init(meta, sd, lowers)
             sd.write(meta)
             return meta
         except BaseException:
             self._cleanup(sd, meta, chain=locals().get("chain", []), mounted=mounted)
             raise
+
+    def _start_init(self, meta: Meta, sd: SandboxDir, lowers: list[Path]) -> None:
+        """Start the sandbox's init on ``lowers`` and its upper; record it in ``meta``."""
+        netns = sd.path / "netns" if meta.network == "egress" else None
+        meta.init_pid = self.helper.start_init(
+            sd.rootfs, lowers, sd.upper, sd.work, self.config.hostname,
+            self._procs(meta.id), netns,
+        )  # fmt: skip
+        meta.init_start = process_start(meta.init_pid) or 0
+        _protect(meta.init_pid)
 
     def _limit(self, sandbox_id: str, limits: Any) -> None:
         group = self._group(sandbox_id).create()
@@ -345,7 +353,7 @@ class ContainerBackend(Backend):
         except ProcessLookupError:
             return
         try:
-            if process_start(meta.init_pid) != meta.init_start:
+            if not meta.alive():
                 return  # not our init (the pid was reused) or already gone
             signal.pidfd_send_signal(fd, signal.SIGKILL)
             select.select([fd], [], [], 10)  # readable once it has exited
@@ -367,7 +375,7 @@ class ContainerBackend(Backend):
         held = set(chain or [])
         if meta is not None:
             held |= {*meta.chain, *meta.origin, *meta.held}
-        self.snapshots.release(sorted(held), f"sb.{self.node}.{sd.id}")
+        self.snapshots.release(sorted(held), self._snap_holder(sd.id))
         if meta is not None and meta.network == "egress":
             self.egress.remove(sd.id, sd.path / "netns", meta.address)
         self._group(sd.id).remove(kill=True)  # an init whose record was never written, too
@@ -389,13 +397,13 @@ class ContainerBackend(Backend):
 
     async def status(self, ref: SandboxRef) -> SandboxStatus:
         meta = self._meta(ref.sandbox_id)
-        alive = process_start(meta.init_pid) == meta.init_start
-        return SandboxStatus(sandbox_id=ref.sandbox_id, state="ready" if alive else "failed")
+        state = "ready" if meta.alive() else "failed"
+        return SandboxStatus(sandbox_id=ref.sandbox_id, state=state)
 
     async def list_sandboxes(self) -> list[str]:
         """Sandboxes whose init runs: one whose init died is left out, so the edge's
         reconciliation reports it lost (and then has it destroyed)."""
-        return sorted(i for i, m in self.metas.items() if process_start(m.init_pid) == m.init_start)
+        return sorted(i for i, m in self.metas.items() if m.alive())
 
     # -- work inside -------------------------------------------------------------------------
 
@@ -483,7 +491,7 @@ class ContainerBackend(Backend):
         finally:
             if busy:
                 _freeze(group, False)
-        self.snapshots.hold(snap.id, f"sb.{self.node}.{meta.id}")
+        self.snapshots.hold(snap.id, self._snap_holder(meta.id))
         meta.held.append(snap.id)
         meta.last_snapshot = snap.id
         meta.upper_since = snap.id
@@ -496,7 +504,7 @@ class ContainerBackend(Backend):
             await asyncio.to_thread(self._restore, meta, request.snapshot_id)
 
     def _restore(self, meta: Meta, snapshot_id: str | None) -> None:
-        holder = f"sb.{self.node}.{meta.id}"
+        holder = self._snap_holder(meta.id)
         if snapshot_id is None:
             chain = meta.origin
         else:
@@ -512,15 +520,9 @@ class ContainerBackend(Backend):
         sd = SandboxDir(self.root, meta.id)
         self._kill_init(meta)
         sd.fresh_upper(self.trash)
-        mine = self._holder(meta.id)  # its layers are mounted (unless unmounted behind its back)
-        lowers = self.snapshots.deltas(chain) + [self.store.mount(d, mine) for d in meta.layers]
-        netns = sd.path / "netns" if meta.network == "egress" else None
-        meta.init_pid = self.helper.start_init(
-            sd.rootfs, lowers, sd.upper, sd.work, self.config.hostname,
-            self._procs(meta.id), netns,
-        )  # fmt: skip
-        meta.init_start = process_start(meta.init_pid) or 0
-        _protect(meta.init_pid)
+        mounts = self.store.mounted()  # its layers are; mount again what went behind its back
+        layers = [mounts.get(d) or self.store.mount(d, self._holder(meta.id)) for d in meta.layers]
+        self._start_init(meta, sd, self.snapshots.deltas(chain) + layers)
         old = set(meta.chain) - set(chain)
         meta.chain = chain
         meta.last_snapshot = chain[0] if chain else None

@@ -46,6 +46,10 @@ class Meta(BaseModel):
     init_pid: int = 0
     init_start: int = Field(0, description="the init's start time (clock ticks), against pid reuse")
 
+    def alive(self) -> bool:
+        """Its init still runs (the same process, not a reuse of its pid)."""
+        return bool(self.init_pid) and process_start(self.init_pid) == self.init_start
+
 
 class SandboxDir:
     """The files of one sandbox on this node."""

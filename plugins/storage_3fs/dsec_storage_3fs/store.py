@@ -225,7 +225,7 @@ class ThreeFsStore(LayerStore):
 
     def snapshots_root(self) -> Path:
         path = self.root / "snapshots"
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
         path.chmod(0o700)  # sandboxes' files (setuid ones too): root's eyes only
         return path
 
