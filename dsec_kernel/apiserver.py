@@ -272,6 +272,9 @@ class ApiServer:
             info = hit[0] if hit else None
         if info is None or info.tenant != tenant:
             raise errors.NotFound(f"no sandbox {sandbox_id} (destroyed, expired, or not yours)")
+        view = self.views.get(info.node)
+        if info.state == "ready" and view is not None and view.info.state == "down":
+            info = info.model_copy(update={"state": "lost"})  # its record is being marked
         if info.state == "lost" and not allow_lost:
             raise errors.SandboxLost(
                 f"sandbox {sandbox_id} was lost when node {info.node} went down; create a new one"

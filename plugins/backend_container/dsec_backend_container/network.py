@@ -12,11 +12,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ipaddress
-import os
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -96,22 +95,24 @@ class Egress:
         addr = self._address(sandbox_id)
         host_if = "dsv" + sandbox_id[3:14]
         try:
-            _new_netns(nsfile)
-            with _iproute() as ip:
-                ip.link("add", ifname=host_if, kind="veth",
-                        peer={"ifname": "eth0", "net_ns_fd": str(nsfile)})  # fmt: skip
-                idx = ip.link_lookup(ifname=host_if)[0]
-                ip.link("set", index=idx, master=ip.link_lookup(ifname=self.bridge)[0], state="up")
-            with _iproute(netns=str(nsfile)) as ns:
-                eth = ns.link_lookup(ifname="eth0")[0]
-                ns.addr("add", index=eth, address=addr, prefixlen=self.net.prefixlen)
-                ns.link("set", index=eth, state="up")
-                ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
-                ns.route("add", dst="default", gateway=str(self.gateway))
+            _in_new_netns(nsfile, lambda host, ns: self._plug(host, ns, host_if, nsfile, addr))
         except Exception as exc:
             self.remove(sandbox_id, nsfile, addr)
             raise errors.Unavailable(f"cannot give {sandbox_id} egress: {exc}") from exc
         return addr
+
+    def _plug(self, ip: IPRoute, ns: IPRoute, host_if: str, nsfile: Path, addr: str) -> None:
+        """A veth from the bridge to the sandbox's ``eth0`` (``ns``: a netlink socket in its
+        namespace), with ``addr`` and a default route through the bridge."""
+        ip.link("add", ifname=host_if, kind="veth",
+                peer={"ifname": "eth0", "net_ns_fd": str(nsfile)})  # fmt: skip
+        idx = ip.link_lookup(ifname=host_if)[0]
+        ip.link("set", index=idx, master=ip.link_lookup(ifname=self.bridge)[0], state="up")
+        eth = ns.link_lookup(ifname="eth0")[0]
+        ns.addr("add", index=eth, address=addr, prefixlen=self.net.prefixlen)
+        ns.link("set", index=eth, state="up")
+        ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+        ns.route("add", dst="default", gateway=str(self.gateway))
 
     def remove(self, sandbox_id: str, nsfile: Path, addr: str | None) -> None:
         """Undo :meth:`create` (the veth goes with the namespace). Idempotent."""
@@ -139,17 +140,25 @@ def _iproute(**kw: object) -> Iterator[IPRoute]:
         loop.close()
 
 
-def _new_netns(nsfile: Path) -> None:
-    """A new network namespace, kept by a bind mount on ``nsfile`` (made in a short-lived
-    thread: namespaces belong to threads, so the edge's own stay untouched)."""
+def _in_new_netns(nsfile: Path, then: Callable[[IPRoute, IPRoute], None]) -> None:
+    """Make a new network namespace, kept by a bind mount on ``nsfile``, and call ``then``
+    with netlink sockets in the host's namespace and in the new one, in a short-lived thread
+    (namespaces belong to threads, so the edge's own stay untouched; a socket keeps the
+    namespace it was made in).
+
+    Never through pyroute2's ``netns=``: it forks the (threaded) edge, and the SIGTERM it
+    sends that child reaches the edge's own signal handlers through the shared wakeup fd."""
     nsfile.touch()
     failure: list[BaseException] = []
 
     def run() -> None:
         try:
-            linux.unshare(linux.CLONE_NEWNET)
-            linux.mount(f"/proc/self/task/{threading.get_native_id()}/ns/net", str(nsfile), None,
-                        linux.MS_BIND)  # fmt: skip
+            with _iproute() as host:
+                linux.unshare(linux.CLONE_NEWNET)
+                linux.mount(f"/proc/self/task/{threading.get_native_id()}/ns/net", str(nsfile),
+                            None, linux.MS_BIND)  # fmt: skip
+                with _iproute() as ns:
+                    then(host, ns)
         except BaseException as exc:
             failure.append(exc)
 
@@ -157,5 +166,4 @@ def _new_netns(nsfile: Path) -> None:
     t.start()
     t.join()
     if failure:
-        os.unlink(nsfile)
         raise failure[0]

@@ -238,10 +238,19 @@ async def test_a_restarted_backend_adopts_live_sandboxes_and_removes_dead_ones(
         await b.destroy(SandboxRef(sandbox_id="sb-00000000000000a1"))
 
 
-async def test_egress_is_a_veth_to_the_node_bridge_and_goes_with_the_sandbox(make_config, tmp_path):
+async def test_egress_is_a_veth_to_the_node_bridge_and_goes_with_the_sandbox(
+    make_config, tmp_path, monkeypatch
+):
     """network="egress": eth0 with an address, a default route through the node's bridge
     (here reaching a server the test runs on the bridge address); network="none": only lo,
-    nothing reachable. Bridge, veth and namespace are gone afterwards."""
+    nothing reachable. Bridge, veth and namespace are gone afterwards. The edge process is
+    never forked on the way (a forked copy of a threaded edge shares its signal wakeup fd:
+    pyroute2's ``netns=`` did that, and the SIGTERM it sent its child stopped the edge)."""
+
+    def no_fork() -> int:
+        raise AssertionError("the backend forked the edge process")
+
+    monkeypatch.setattr(os, "fork", no_fork)
     bridge, subnet = f"dsect{os.urandom(3).hex()}", f"10.214.{os.urandom(1)[0]}.0/24"
     config = make_config(egress_bridge=bridge, egress_subnet=subnet)
     async with started(ContainerBackend(config), tmp_path) as b:
