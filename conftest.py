@@ -47,6 +47,12 @@ def netns_entries() -> set[str]:
         return set()
 
 
+def links_and_swaps() -> set[str]:
+    """Network interfaces (bridges, veths) and swap devices."""
+    swaps = Path("/proc/swaps").read_text().splitlines()[1:]
+    return {*os.listdir("/sys/class/net"), *(line.split()[0] for line in swaps if line)}
+
+
 def mounts() -> set[str]:
     return set(Path("/proc/self/mounts").read_text().splitlines())
 
@@ -58,8 +64,9 @@ def cgroups() -> set[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leaks():
-    """Fail the session if it leaves processes, mounts, cgroups or netns behind."""
-    before = (set(our_processes()), mounts(), netns_entries(), cgroups())
+    """Fail the session if it leaves processes, mounts, cgroups, netns, network interfaces
+    or swap devices behind."""
+    before = (set(our_processes()), mounts(), netns_entries(), cgroups(), links_and_swaps())
     yield
     deadline = time.monotonic() + 15
     while True:
@@ -67,13 +74,16 @@ def no_leaks():
         new_mounts = mounts() - before[1]
         new_netns = netns_entries() - before[2]
         new_cgroups = cgroups() - before[3]
-        if not (procs or new_mounts or new_netns or new_cgroups) or time.monotonic() > deadline:
+        new_devices = links_and_swaps() - before[4]
+        leaks = procs or new_mounts or new_netns or new_cgroups or new_devices
+        if not leaks or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert not procs, f"processes left behind: {procs}"
     assert not new_mounts, f"mounts left behind: {new_mounts}"
     assert not new_netns, f"network namespaces left behind: {new_netns}"
     assert not new_cgroups, f"cgroups left behind: {new_cgroups}"
+    assert not new_devices, f"network interfaces or swap left behind: {new_devices}"
 
 
 @pytest.fixture

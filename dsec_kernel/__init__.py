@@ -24,6 +24,8 @@ _EXPORTS = {
     "Sandbox": "dsec_kernel.sdk",
     "SyncSandbox": "dsec_kernel.sdk",
     "Snapshot": "dsec_kernel.sdk",
+    "Job": "dsec_kernel.sdk",
+    "PauseReport": "dsec_kernel.wire",
     "Env": "dsec_kernel.wire",
     "FsDiff": "dsec_kernel.wire",
     "ExecResult": "dsec_kernel.wire",
@@ -42,7 +44,9 @@ _EXPORTS = {
             "Internal",
             "InvalidArgument",
             "NotFound",
+            "QueueFull",
             "SandboxLost",
+            "SandboxPaused",
             "Unauthenticated",
             "Unavailable",
             "UnknownBackend",
@@ -77,12 +81,22 @@ if TYPE_CHECKING:
         Internal,
         InvalidArgument,
         NotFound,
+        QueueFull,
         SandboxLost,
+        SandboxPaused,
         Unauthenticated,
         Unavailable,
         UnknownBackend,
         Unsupported,
     )
     from dsec_kernel.plugins import hookimpl
-    from dsec_kernel.sdk import AsyncClient, Client, Sandbox, Snapshot, SyncSandbox
-    from dsec_kernel.wire import Env, ExecResult, FsDiff, Limits, NodeInfo, SandboxInfo
+    from dsec_kernel.sdk import AsyncClient, Client, Job, Sandbox, Snapshot, SyncSandbox
+    from dsec_kernel.wire import (
+        Env,
+        ExecResult,
+        FsDiff,
+        Limits,
+        NodeInfo,
+        PauseReport,
+        SandboxInfo,
+    )

@@ -23,10 +23,12 @@ from nats.aio.client import Client as NATS
 
 from dsec_kernel import __version__, bus, errors
 from dsec_kernel.config import ApiSettings
+from dsec_kernel.leases import Leases
 from dsec_kernel.placement import NodeView, PlacementPolicy, PlacementRequest
 from dsec_kernel.plugins import Hooks
-from dsec_kernel.state import NODES, SANDBOXES, TENANTS, ClusterState, Mirror, token_key
+from dsec_kernel.state import LIVE, NODES, SANDBOXES, TENANTS, ClusterState, Mirror, token_key
 from dsec_kernel.wire import (
+    MAX_BATCH,
     CreateRequest,
     CreateResponse,
     DestroyRequest,
@@ -37,6 +39,7 @@ from dsec_kernel.wire import (
     ExecRequest,
     ExecResponse,
     ExecResult,
+    Failure,
     FncallRequest,
     FsDiffRequest,
     HistoryRequest,
@@ -44,9 +47,12 @@ from dsec_kernel.wire import (
     ListResponse,
     NodeInfo,
     NodesResponse,
+    PauseRequest,
+    PauseResponse,
     PublishRequest,
     ReadFileRequest,
     RestoreRequest,
+    ResumeRequest,
     SandboxInfo,
     SnapshotRequest,
     StatusRequest,
@@ -96,6 +102,7 @@ class ApiServer:
         self._tasks: list[asyncio.Task[None]] = []
         self._drain: Any = None
         self._mirrors: list[Mirror[Any]] = []
+        self.leases = Leases(self)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -108,6 +115,7 @@ class ApiServer:
         for m in (self.nodes, self.sandboxes, self.tenants):
             await m.start()
             self._mirrors.append(m)
+        self._mirrors.append(await self.leases.start())
         for sid, (info, _) in self.sandboxes.items.items():
             self._by_node[info.node].add(sid)
         now = time.monotonic()
@@ -124,6 +132,10 @@ class ApiServer:
             "fncall": self._fncall,
             "nodes": self._nodes,
             "publish": self._publish,
+            "pause": self._power("pause", PauseRequest),
+            "resume": self._power("resume", ResumeRequest),
+            "job.renew": self.leases.renew,
+            "job.close": self.leases.close,
             **{
                 op: self._in_sandbox(op, model)
                 for op, model in (
@@ -147,6 +159,7 @@ class ApiServer:
         self._tasks = [
             asyncio.create_task(self._loop(self.settings.node_timeout_s / 4, self.check_nodes)),
             asyncio.create_task(self._loop(1.0, self.reap_expired)),
+            asyncio.create_task(self._loop(self.settings.lease_check_s, self.leases.check)),
         ]
 
     async def stop(self) -> None:
@@ -227,7 +240,7 @@ class ApiServer:
         for node in down_nodes:
             for sid in list(self._by_node.get(node, ())):
                 hit = self.sandboxes.items.get(sid)
-                if hit is None or hit[0].state != "ready":
+                if hit is None or hit[0].state not in LIVE:
                     continue
                 with suppress(errors.Conflict):
                     await self.state.cas_sandbox(
@@ -273,7 +286,7 @@ class ApiServer:
         if info is None or info.tenant != tenant:
             raise errors.NotFound(f"no sandbox {sandbox_id} (destroyed, expired, or not yours)")
         view = self.views.get(info.node)
-        if info.state == "ready" and view is not None and view.info.state == "down":
+        if info.state in LIVE and view is not None and view.info.state == "down":
             info = info.model_copy(update={"state": "lost"})  # its record is being marked
         if info.state == "lost" and not allow_lost:
             raise errors.SandboxLost(
@@ -309,6 +322,16 @@ class ApiServer:
                 f"no node runs backend {backend!r}; backends in this cluster: "
                 f"{', '.join(known) or 'none (is an edge running?)'}"
             )
+        if r.spec.job:
+            job = self.leases.job(tenant, r.spec.job)
+            if job is None:
+                raise errors.InvalidArgument(
+                    f"no job {r.spec.job!r}: open it first (`async with client.job(...)`)"
+                )
+            if job.state != "active":
+                raise errors.SandboxPaused(
+                    f"job {r.spec.job!r}: its lease lapsed; renew it before creating more"
+                )
         if r.spec.snapshot and not any(
             (b := v.info.backend(backend)) and b.capabilities.fork for v in self.views.values()
         ):
@@ -544,6 +567,49 @@ class ApiServer:
             return await self._edge(node, "fncall", req.data, r.timeout_s + EXEC_MARGIN_S)
         finally:
             self._fncall_inflight[node] -= 1
+
+    def _power(self, op: str, model: type[PauseRequest | ResumeRequest]) -> bus.Handler:
+        """Pause or resume the caller's sandboxes, one request per node."""
+
+        async def handle(req: bus.Request) -> PauseResponse:
+            tenant = await self._auth(req)
+            r = model.model_validate_json(req.data)
+            out = PauseResponse()
+            groups: dict[str, list[str]] = defaultdict(list)
+            for sid in dict.fromkeys(r.ids):
+                try:
+                    groups[(await self._lookup(tenant, sid)).node].append(sid)
+                except errors.DsecError as exc:
+                    out.failed.append(Failure(id=sid, error=exc.to_wire()))
+            replies = await self.power(op, groups, r.reason)
+            for part in replies:
+                out.done += part.done
+                out.failed += part.failed
+            return out
+
+        return handle
+
+    async def power(
+        self, op: str, groups: dict[str, list[str]], reason: str | None
+    ) -> list[PauseResponse]:
+        """Pause or resume (``op``) each node's sandboxes, in batches; an edge that does
+        not answer fails its part."""
+        model = PauseRequest if op == "pause" else ResumeRequest
+        batches = [
+            (node, ids[i : i + MAX_BATCH])
+            for node, ids in groups.items()
+            for i in range(0, len(ids), MAX_BATCH)
+        ]
+
+        async def one(node: str, ids: list[str]) -> PauseResponse:
+            data = model(ids=ids, reason=reason).model_dump_json().encode()
+            try:
+                raw = await self._edge(node, op, data, self.settings.edge_timeout_s)
+                return PauseResponse.model_validate_json(raw)
+            except errors.DsecError as exc:
+                return PauseResponse(failed=[Failure(id=i, error=exc.to_wire()) for i in ids])
+
+        return await asyncio.gather(*(one(n, ids) for n, ids in batches))
 
     def _in_sandbox(self, op: str, model: type[Any]) -> bus.Handler:
         """A handler for requests about one of the caller's sandboxes: forwarded to its edge

@@ -36,6 +36,7 @@ from dsec_kernel.wire import (
     FsDiffRequest,
     LayerInfo,
     Limits,
+    PauseReport,
     PublishRequest,
     ReadFileRequest,
     ReadFileResponse,
@@ -198,8 +199,11 @@ class Backend(abc.ABC):
         """Make a snapshot a layer in the layer store."""
         raise errors.Unsupported(f"the {self.name} backend cannot publish layers")
 
-    async def pause(self, ref: SandboxRef) -> None:
+    async def pause(self, ref: SandboxRef) -> PauseReport:
+        """Freeze every process of the sandbox and reclaim what memory it can (capability
+        ``pause``). Idempotent. The edge never pauses a sandbox while a command runs in it."""
         raise errors.Unsupported(f"the {self.name} backend cannot pause")
 
-    async def resume(self, ref: SandboxRef) -> None:
+    async def resume(self, ref: SandboxRef) -> PauseReport:
+        """Thaw a paused sandbox: every process and file as before the pause. Idempotent."""
         raise errors.Unsupported(f"the {self.name} backend cannot resume")

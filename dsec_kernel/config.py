@@ -56,6 +56,7 @@ class ApiSettings(_Common):
         5.0, gt=0, description="a node silent this long is marked down, its sandboxes lost"
     )
     edge_timeout_s: float = Field(30.0, gt=0, description="longest wait for an edge's answer")
+    lease_check_s: float = Field(0.5, gt=0, description="how often job leases are checked")
 
 
 class EdgeSettings(_Common):
@@ -72,6 +73,7 @@ class EdgeSettings(_Common):
     )
     create_concurrency: int = Field(64, ge=1, description="sandboxes created at once per backend")
     reconcile_s: float = Field(60.0, gt=0, description="interval between reconciliations")
+    idle_check_s: float = Field(1.0, gt=0, description="how often idle sandboxes are looked for")
 
 
 class StorageSettings(BaseSettings):

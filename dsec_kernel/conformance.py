@@ -261,6 +261,48 @@ class BackendConformance:
         with pytest.raises(errors.InvalidArgument):
             await backend.fncall(FncallRequest(code="x", language="no-such-language"))
 
+    # -- pause -------------------------------------------------------------------------------
+
+    async def test_pause_freezes_and_resume_continues(self, backend: Backend) -> None:
+        """A paused sandbox runs nothing (a counter stops), keeps its files and processes,
+        and carries on after resume; pause and resume are idempotent; a paused sandbox can
+        be destroyed."""
+        sb = self.new(backend)
+        ref = SandboxRef(sandbox_id=sb.id)
+        if not backend.capabilities.pause:
+            with pytest.raises(errors.Unsupported):
+                await backend.pause(ref)
+            return
+        await backend.create(sb)
+        try:
+            await self._sh(
+                backend,
+                sb.id,
+                "echo kept > /tmp/file; (setsid sh -c 'i=0; while :; do i=$((i+1));"
+                " echo $i > /tmp/count; sleep 0.05; done' > /dev/null 2>&1 &)",
+            )
+            await asyncio.sleep(0.3)
+            report = await backend.pause(ref)
+            assert report.sandbox_id == sb.id and report.state == "paused", report
+            assert (await backend.status(ref)).state == "paused"
+            assert (await backend.pause(ref)).state == "paused"  # idempotent
+            count = await self._read(backend, sb.id, "/tmp/count")
+            await asyncio.sleep(0.4)
+            assert await self._read(backend, sb.id, "/tmp/count") == count, "still running"
+            assert (await backend.resume(ref)).state == "ready"
+            assert (await backend.resume(ref)).state == "ready"  # idempotent
+            assert (await backend.status(ref)).state == "ready"
+            await asyncio.sleep(0.4)
+            assert int(await self._read(backend, sb.id, "/tmp/count")) > int(count)
+            assert await self._read(backend, sb.id, "/tmp/file") == b"kept\n"
+            await backend.pause(ref)
+        finally:
+            await backend.destroy(ref)
+        assert sb.id not in await backend.list_sandboxes()
+
+    async def _read(self, backend: Backend, sandbox: str, path: str) -> bytes:
+        return (await backend.read_file(ReadFileRequest(sandbox_id=sandbox, path=path))).data
+
     # -- snapshots -------------------------------------------------------------------------------
 
     async def _sh(self, backend: Backend, sandbox: str, script: str) -> bytes:

@@ -25,7 +25,7 @@ from dsec_kernel.backend import Backend, BackendContext, ExecCall, SandboxRef
 from dsec_kernel.config import EdgeSettings
 from dsec_kernel.history import History
 from dsec_kernel.plugins import Hooks, PluginLoadError, discover, load_drivers
-from dsec_kernel.state import ClusterState
+from dsec_kernel.state import LIVE, ClusterState
 from dsec_kernel.wire import (
     BackendInfo,
     CommandRecord,
@@ -46,9 +46,13 @@ from dsec_kernel.wire import (
     LayerInfo,
     NodeInfo,
     NodeLoad,
+    PauseReport,
+    PauseRequest,
+    PauseResponse,
     PublishRequest,
     ReadFileRequest,
     RestoreRequest,
+    ResumeRequest,
     SandboxInfo,
     SnapshotInfo,
     SnapshotRequest,
@@ -131,6 +135,9 @@ class Edge:
         self.sandboxes: dict[str, SandboxInfo] = {}
         self._counts: Counter[str] = Counter()
         self._born: dict[str, float] = {}  # sandbox id -> when this edge created it (monotonic)
+        self.paused: dict[str, str] = {}  # sandbox id -> why (a PAUSE_REASONS value)
+        self._busy: Counter[str] = Counter()  # sandbox id -> commands running in it
+        self._used: dict[str, float] = {}  # sandbox id -> last command's end (monotonic)
         self._backend_infos = [
             BackendInfo(name=n, version=_plugin_version(b), capabilities=b.capabilities)
             for n, b in backends.items()
@@ -173,6 +180,8 @@ class Edge:
             "fs_diff": self._fs_diff,
             "history": self._history,
             "publish": self._publish,
+            "pause": self._pause,
+            "resume": self._resume,
         }
         _, self._drain = await bus.serve(
             self.nc,
@@ -185,6 +194,7 @@ class Edge:
         self._tasks = [
             asyncio.create_task(self._every(self.settings.heartbeat_s, self._heartbeat)),
             asyncio.create_task(self._every(self.settings.reconcile_s, self.reconcile)),
+            asyncio.create_task(self._every(self.settings.idle_check_s, self.pause_idle)),
         ]
         log.info("edge %s serving backends %s", self.node, ", ".join(self.backends))
 
@@ -224,6 +234,8 @@ class Edge:
 
     def _remove(self, sandbox_id: str) -> None:
         self._born.pop(sandbox_id, None)
+        self.paused.pop(sandbox_id, None)
+        self._used.pop(sandbox_id, None)
         info = self.sandboxes.pop(sandbox_id, None)
         if info is not None:
             self._counts[info.backend] -= 1
@@ -239,6 +251,7 @@ class Edge:
             memory_mb=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20,
             load=NodeLoad(
                 sandboxes=len(self.sandboxes),
+                paused=len(self.paused),
                 by_backend=dict(self._counts),
                 running_execs=self.running_execs,
                 cpu_load=os.getloadavg()[0] / cpus,
@@ -265,9 +278,11 @@ class Edge:
         young = time.monotonic() - 30.0  # created here so lately its record may still be coming
         for sid, name in present.items():
             rec = records.get(sid)
-            if rec is not None and rec[0].state == "ready":
+            if rec is not None and rec[0].state in LIVE:
                 if sid not in self.sandboxes:
                     self._add(rec[0])
+                    if rec[0].state == "paused":
+                        self.paused[sid] = rec[0].paused_reason or "requested"
                 continue
             local = self.sandboxes.get(sid)
             if rec is None and self._born.get(sid, -1.0) > young:
@@ -276,7 +291,7 @@ class Edge:
             log.warning("reconcile: destroying %s (%s)", sid, "lost" if rec else "unknown")
             await self._destroy_one(sid, name, info, "reconcile")
         for sid, (info, rev) in records.items():
-            if sid not in present and info.state == "ready":
+            if sid not in present and info.state in LIVE:
                 self._remove(sid)
                 with suppress(errors.Conflict):
                     await self.state.cas_sandbox(info.model_copy(update={"state": "lost"}), rev)
@@ -327,6 +342,8 @@ class Edge:
             created_at=sb.created_at,
             expires_at=sb.expires_at,
             labels=sb.spec.labels,
+            job=sb.spec.job,
+            idle_ttl_s=sb.spec.idle_ttl_s,
         )
         self._add(info)
         self._born[sb.id] = time.monotonic()
@@ -359,8 +376,9 @@ class Edge:
         return ExecResponse(results=fit_results(list(results)))
 
     async def _exec_one(self, r: ExecRequest, sandbox_id: str) -> ExecResult:
+        self._busy[sandbox_id] += 1  # from before the paused check: no pause slips in
         try:
-            info, backend = self._sandbox(sandbox_id)
+            info, backend = await self._awake(sandbox_id)
             reason = await self.hooks.guard_exec(info, r)
             if reason:
                 raise errors.Forbidden(f"refused by a guard: {reason}")
@@ -382,6 +400,12 @@ class Edge:
                 self.running_execs -= 1
         except errors.DsecError as exc:
             return ExecResult(sandbox_id=sandbox_id, exit_code=-1, error=exc.to_wire())
+        finally:
+            self._busy[sandbox_id] -= 1
+            if self._busy[sandbox_id] <= 0:
+                del self._busy[sandbox_id]
+            if sandbox_id in self.sandboxes:
+                self._used[sandbox_id] = time.monotonic()
         self.history.record(
             sandbox_id,
             CommandRecord(
@@ -429,11 +453,11 @@ class Edge:
 
     async def _read_file(self, req: bus.Request):
         r = ReadFileRequest.model_validate_json(req.data)
-        return await self._sandbox(r.sandbox_id)[1].read_file(r)
+        return await self._sandbox(r.sandbox_id)[1].read_file(r)  # paused or not
 
     async def _write_file(self, req: bus.Request):
         r = WriteFileRequest.model_validate_json(req.data)
-        return await self._sandbox(r.sandbox_id)[1].write_file(r)
+        return await self._sandbox(r.sandbox_id)[1].write_file(r)  # paused or not
 
     async def _snapshot(self, req: bus.Request) -> SnapshotInfo:
         r = SnapshotRequest.model_validate_json(req.data)
@@ -441,7 +465,7 @@ class Edge:
 
     async def _restore(self, req: bus.Request) -> SandboxInfo:
         r = RestoreRequest.model_validate_json(req.data)
-        info, backend = self._sandbox(r.sandbox_id)
+        info, backend = await self._awake(r.sandbox_id)
         await backend.restore(r)
         return info
 
@@ -454,12 +478,113 @@ class Edge:
         self._sandbox(r.sandbox_id)
         return HistoryResponse(commands=self.history.read(r.sandbox_id))
 
+    # -- pause and resume --------------------------------------------------------------------
+
+    async def _awake(self, sandbox_id: str) -> tuple[SandboxInfo, Backend]:
+        """The sandbox, for work: one paused for being idle is resumed first; one paused for
+        another reason raises SandboxPaused."""
+        info, backend = self._sandbox(sandbox_id)
+        why = self.paused.get(sandbox_id)
+        if why == "idle":
+            await self._resume_one(sandbox_id, None)
+        elif why is not None:
+            what = {"lease": "renew its job's lease", "priority": "wait, or resume() it"}
+            raise errors.SandboxPaused(
+                f"sandbox {sandbox_id} is paused ({why}): {what.get(why, 'resume() it')} first"
+            )
+        self._used[sandbox_id] = time.monotonic()
+        return info, backend
+
+    async def _pause(self, req: bus.Request) -> PauseResponse:
+        r = PauseRequest.model_validate_json(req.data)
+        results = await asyncio.gather(
+            *(self._pause_one(i, r.reason) for i in r.ids), return_exceptions=True
+        )
+        return _power_response(r.ids, results)
+
+    async def _resume(self, req: bus.Request) -> PauseResponse:
+        r = ResumeRequest.model_validate_json(req.data)
+        results = await asyncio.gather(
+            *(self._resume_one(i, r.reason) for i in r.ids), return_exceptions=True
+        )
+        return _power_response(r.ids, results)
+
+    async def _pause_one(self, sandbox_id: str, reason: str) -> PauseReport:
+        info, backend = self._sandbox(sandbox_id)
+        if not backend.capabilities.pause:
+            raise errors.Unsupported(f"the {info.backend} backend cannot pause")
+        if sandbox_id in self.paused:
+            if self.paused[sandbox_id] == "idle":  # a stronger reason replaces idleness
+                self.paused[sandbox_id] = reason
+                await self._record(sandbox_id, "paused", reason)
+            return PauseReport(sandbox_id=sandbox_id, state="paused")
+        if self._busy[sandbox_id]:
+            raise errors.Conflict(
+                f"a command is running in {sandbox_id}; pause it when the command ends"
+            )
+        self.paused[sandbox_id] = reason  # from here on, new work waits or is refused
+        try:
+            report = await backend.pause(SandboxRef(sandbox_id=sandbox_id))
+        except BaseException:
+            self.paused.pop(sandbox_id, None)
+            raise
+        await self._record(sandbox_id, "paused", reason)
+        return report
+
+    async def _resume_one(self, sandbox_id: str, reason: str | None) -> PauseReport:
+        _, backend = self._sandbox(sandbox_id)
+        why = self.paused.get(sandbox_id)
+        if why is None:
+            return PauseReport(sandbox_id=sandbox_id, state="ready")
+        if reason is not None and why != reason:
+            return PauseReport(sandbox_id=sandbox_id, state="paused")
+        report = await backend.resume(SandboxRef(sandbox_id=sandbox_id))
+        self.paused.pop(sandbox_id, None)
+        self._used[sandbox_id] = time.monotonic()
+        await self._record(sandbox_id, "ready", None)
+        return report
+
+    async def _record(self, sandbox_id: str, state: str, reason: str | None) -> None:
+        assert self.state is not None
+        info = await self.state.set_sandbox_state(sandbox_id, state, reason)
+        if info is not None and sandbox_id in self.sandboxes:
+            self.sandboxes[sandbox_id] = info
+
+    async def pause_idle(self) -> None:
+        """Pause sandboxes that ran no command for their ``idle_ttl_s``."""
+        now = time.monotonic()
+        for sid, info in list(self.sandboxes.items()):
+            ttl = info.idle_ttl_s
+            if ttl is None or sid in self.paused or self._busy[sid]:
+                continue
+            last = self._used.setdefault(sid, now)
+            if now - last >= ttl and self.backends[info.backend].capabilities.pause:
+                try:
+                    await self._pause_one(sid, "idle")
+                    log.info("paused %s: idle for %.0f s", sid, now - last)
+                except errors.DsecError as exc:
+                    log.warning("could not pause idle %s: %s", sid, exc)
+
     async def _publish(self, req: bus.Request) -> LayerInfo:
         r = PublishRequest.model_validate_json(req.data)
         backend = next((b for b in self.backends.values() if b.capabilities.snapshot), None)
         if backend is None:
             raise errors.Unsupported(f"no backend on {self.node} keeps snapshots")
         return await backend.publish(r)
+
+
+def _power_response(ids: list[str], results: list[Any]) -> PauseResponse:
+    out = PauseResponse()
+    for sid, res in zip(ids, results, strict=True):
+        if isinstance(res, PauseReport):
+            out.done.append(res)
+        elif isinstance(res, errors.DsecError):
+            out.failed.append(Failure(id=sid, error=res.to_wire()))
+        else:
+            log.error("pause/resume of %s failed", sid, exc_info=res)
+            err = errors.Internal(f"pause/resume of {sid} failed: {res}")
+            out.failed.append(Failure(id=sid, error=err.to_wire()))
+    return out
 
 
 def _plugin_version(backend: Backend) -> str:

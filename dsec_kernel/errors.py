@@ -15,6 +15,8 @@ on the other side as the matching subclass::
      ├── Unavailable          a service or edge did not answer (retryable)
      ├── DeadlineExceeded     the request itself timed out     (retryable)
      ├── SandboxLost          its node went down; state is gone
+     ├── SandboxPaused        paused (lease lapsed, priority, request): resume it first
+     ├── QueueFull            the tenant's admission queue is full  (retryable)
      ├── Conflict             the state changed under the request (retryable)
      └── Internal             a bug or an unexpected failure
 
@@ -34,7 +36,9 @@ __all__ = [
     "Internal",
     "InvalidArgument",
     "NotFound",
+    "QueueFull",
     "SandboxLost",
+    "SandboxPaused",
     "Unauthenticated",
     "Unavailable",
     "UnknownBackend",
@@ -106,6 +110,15 @@ class SandboxLost(DsecError):
     code = "sandbox_lost"
 
 
+class SandboxPaused(DsecError):
+    code = "sandbox_paused"
+
+
+class QueueFull(DsecError):
+    code = "queue_full"
+    default_retryable = True
+
+
 class Conflict(DsecError):
     code = "conflict"
     default_retryable = True
@@ -128,6 +141,8 @@ _BY_CODE: dict[str, type[DsecError]] = {
         Unavailable,
         DeadlineExceeded,
         SandboxLost,
+        SandboxPaused,
+        QueueFull,
         Conflict,
         Internal,
     )

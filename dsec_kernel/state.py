@@ -5,6 +5,7 @@ Buckets (history 1, file storage, ``replicas`` copies)::
     dsec-nodes       <node>            NodeInfo   rewritten by the node's edge every heartbeat
     dsec-sandboxes   <sandbox id>      SandboxInfo
     dsec-tenants     <sha256(token)>   {"tenant": name, "created_at": t}
+    dsec-jobs        <tenant>.<job>    JobInfo    a trainer's lease
 
 State changes that can race (a node going down, a sandbox reported lost) use compare-and-set
 on the entry's revision. :class:`Mirror` keeps an in-memory copy of a bucket from a watch.
@@ -30,14 +31,16 @@ from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
 from dsec_kernel import errors
-from dsec_kernel.wire import NAME_PATTERN, NodeInfo, SandboxInfo
+from dsec_kernel.wire import NAME_PATTERN, JobInfo, NodeInfo, SandboxInfo
 
-__all__ = ["BUCKETS", "ClusterState", "Mirror", "token_key"]
+__all__ = ["BUCKETS", "JOBS", "LIVE", "ClusterState", "Mirror", "token_key"]
 
 log = logging.getLogger(__name__)
 
-NODES, SANDBOXES, TENANTS = "dsec-nodes", "dsec-sandboxes", "dsec-tenants"
-BUCKETS = (NODES, SANDBOXES, TENANTS)
+NODES, SANDBOXES, TENANTS, JOBS = "dsec-nodes", "dsec-sandboxes", "dsec-tenants", "dsec-jobs"
+BUCKETS = (NODES, SANDBOXES, TENANTS, JOBS)
+#: states of a sandbox that exists on its node
+LIVE = ("ready", "paused")
 T = TypeVar("T")
 
 
@@ -102,7 +105,10 @@ class Mirror(Generic[T]):
             pending_bytes_limit=-1,
         )
         info = await self._sub.consumer_info()
-        if info.num_pending == 0 and self._sub.delivered == 0:
+        # empty only if the server has nothing pending *and* sent nothing yet (messages it
+        # already sent may still be on their way to the callback)
+        sent = info.delivered.consumer_seq if info.delivered else 0
+        if info.num_pending == 0 and not sent:
             self._loaded.set()
         await self._loaded.wait()
 
@@ -124,13 +130,14 @@ class Mirror(Generic[T]):
 
 
 class ClusterState:
-    """Typed access to the three buckets. Open it with :meth:`open`."""
+    """Typed access to the buckets. Open it with :meth:`open`."""
 
     def __init__(self, js: JetStreamContext, kvs: dict[str, KeyValue]) -> None:
         self.js = js
         self.nodes = kvs[NODES]
         self.sandboxes = kvs[SANDBOXES]
         self.tenants = kvs[TENANTS]
+        self.jobs = kvs[JOBS]
 
     @classmethod
     async def open(cls, nc: NATS, *, replicas: int = 1, create: bool = True) -> ClusterState:
@@ -173,6 +180,25 @@ class ClusterState:
         await self.tenants.create(token_key(token), record)
         return token
 
+    # -- jobs --------------------------------------------------------------------------------
+
+    async def get_job(self, key: str) -> tuple[JobInfo, int] | None:
+        try:
+            entry = await self.jobs.get(key)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        return JobInfo.model_validate_json(entry.value), entry.revision
+
+    async def cas_job(self, key: str, info: JobInfo, revision: int | None) -> int:
+        """Write ``info`` if the record is still at ``revision`` (None: if there is none)."""
+        data = info.model_dump_json().encode()
+        try:
+            if revision is None:
+                return await self.jobs.create(key, data)
+            return await self.jobs.update(key, data, revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise errors.Conflict(f"job {key} changed meanwhile") from None
+
     # -- nodes -------------------------------------------------------------------------------
 
     async def put_node(self, info: NodeInfo) -> int:
@@ -210,6 +236,23 @@ class ClusterState:
             return await self.sandboxes.update(info.id, info.model_dump_json().encode(), revision)
         except nats.js.errors.KeyWrongLastSequenceError:
             raise errors.Conflict(f"sandbox {info.id} changed meanwhile") from None
+
+    async def set_sandbox_state(
+        self, sandbox_id: str, state: str, paused_reason: str | None = None
+    ) -> SandboxInfo | None:
+        """Move a live (ready or paused) record to ``state``, retrying on concurrent writes;
+        returns the record written, or None if there is none or it is no longer live."""
+        for _ in range(10):
+            hit = await self.get_sandbox(sandbox_id)
+            if hit is None or hit[0].state not in LIVE:
+                return None
+            info = hit[0].model_copy(update={"state": state, "paused_reason": paused_reason})
+            try:
+                await self.cas_sandbox(info, hit[1])
+                return info
+            except errors.Conflict:
+                continue
+        raise errors.Conflict(f"sandbox {sandbox_id} keeps changing; try again")
 
     async def delete_sandboxes(self, ids: list[str]) -> None:
         futures = [

@@ -1,6 +1,7 @@
 """The DSec SDK (re-exported from ``dsec_kernel``)."""
 
 from dsec_kernel.sdk.client import AsyncClient, Sandbox, Snapshot
+from dsec_kernel.sdk.job import Job
 from dsec_kernel.sdk.sync import Client, SyncSandbox
 
-__all__ = ["AsyncClient", "Client", "Sandbox", "Snapshot", "SyncSandbox"]
+__all__ = ["AsyncClient", "Client", "Job", "Sandbox", "Snapshot", "SyncSandbox"]

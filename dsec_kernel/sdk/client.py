@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from dsec_kernel import bus, errors
 from dsec_kernel.connection import resolve
+from dsec_kernel.sdk.job import Job
 from dsec_kernel.wire import (
     DEFAULT_MAX_OUTPUT,
     MAX_BATCH,
@@ -23,11 +24,13 @@ from dsec_kernel.wire import (
     ExecRequest,
     ExecResponse,
     ExecResult,
+    Failure,
     FncallRequest,
     FsDiff,
     FsDiffRequest,
     HistoryRequest,
     HistoryResponse,
+    JobRenewRequest,
     LayerInfo,
     Limits,
     ListRequest,
@@ -36,10 +39,14 @@ from dsec_kernel.wire import (
     NodeInfo,
     NodesRequest,
     NodesResponse,
+    PauseReport,
+    PauseRequest,
+    PauseResponse,
     PublishRequest,
     ReadFileRequest,
     ReadFileResponse,
     RestoreRequest,
+    ResumeRequest,
     SandboxInfo,
     SandboxSpec,
     SnapshotInfo,
@@ -159,7 +166,7 @@ class Sandbox:
         return (await self._client._call("file.read", req, ReadFileResponse)).data
 
     async def status(self) -> SandboxInfo:
-        """The sandbox's current record (``state`` is ``ready`` or ``lost``)."""
+        """The sandbox's current record (``state``: ``ready``, ``paused`` or ``lost``)."""
         self.info = await self._client._call(
             "status", _model(StatusRequest, id=self.id), SandboxInfo
         )
@@ -168,6 +175,17 @@ class Sandbox:
     async def destroy(self) -> None:
         """Destroy the sandbox. Idempotent."""
         await self._client.destroy([self])
+
+    async def pause(self) -> PauseReport:
+        """Freeze every process and reclaim the sandbox's memory; files and processes stay.
+        Commands sent meanwhile raise SandboxPaused until :meth:`resume`. Idempotent."""
+        (report,) = await self._client.pause([self])
+        return report
+
+    async def resume(self) -> PauseReport:
+        """Carry on from where :meth:`pause` stopped. Idempotent."""
+        (report,) = await self._client.resume([self])
+        return report
 
     async def snapshot(self, *, keep: bool = False) -> Snapshot:
         """Record the sandbox's files now (incrementally; processes keep running).
@@ -266,6 +284,7 @@ class AsyncClient:
         backend: str | None = None,
         env: Env | None = None,
         ttl: float | None = None,
+        idle_ttl: float | None = None,
         limits: Limits | None = None,
         labels: dict[str, str] | None = None,
         network: str = "none",
@@ -273,6 +292,7 @@ class AsyncClient:
         progress: Progress | None = None,
         batch_size: int = 500,
         concurrency: int = 4,
+        job: str | None = None,
     ) -> list[Sandbox]:
         """Create ``count`` sandboxes alike, in batches of ``batch_size`` (one request each).
 
@@ -280,8 +300,9 @@ class AsyncClient:
         the snapshot's files), else ``fncall``. ``env`` names the layers to compose
         (container and VM backends); ``network`` is ``none`` or ``egress``. All are created
         or none: if a batch fails the others are destroyed and its error is raised. ``ttl``:
-        seconds until the platform destroys them. ``progress(done, total)`` is called as
-        batches complete.
+        seconds until the platform destroys them; ``idle_ttl``: seconds without a command
+        until it pauses one (the next command resumes it). ``progress(done, total)`` is
+        called as batches complete. ``job``: the job they belong to (see :meth:`job`).
         """
         if count < 1:
             raise errors.InvalidArgument(f"count must be at least 1, not {count}")
@@ -291,6 +312,8 @@ class AsyncClient:
             SandboxSpec,
             backend=backend,
             ttl_s=ttl,
+            idle_ttl_s=idle_ttl,
+            job=job,
             limits=limits or Limits(),
             labels=labels or {},
             env=env,
@@ -343,6 +366,43 @@ class AsyncClient:
             )
             destroyed += resp.destroyed
         return destroyed
+
+    async def pause(self, sandboxes: Iterable[Sandbox | str]) -> list[PauseReport]:
+        """Pause many sandboxes (see :meth:`Sandbox.pause`); raises the first failure after
+        trying them all."""
+        return await self._power("pause", PauseRequest, sandboxes)
+
+    async def resume(self, sandboxes: Iterable[Sandbox | str]) -> list[PauseReport]:
+        """Resume many sandboxes (see :meth:`Sandbox.resume`)."""
+        return await self._power("resume", ResumeRequest, sandboxes)
+
+    async def _power(
+        self, op: str, model: type[PauseRequest | ResumeRequest], sandboxes: Iterable[Sandbox | str]
+    ) -> list[PauseReport]:
+        ids = [s.id if isinstance(s, Sandbox) else s for s in sandboxes]
+        reports: dict[str, PauseReport] = {}
+        failed: list[Failure] = []
+        for i in range(0, len(ids), MAX_BATCH):
+            resp = await self._call(op, _model(model, ids=ids[i : i + MAX_BATCH]), PauseResponse)
+            reports.update((r.sandbox_id, r) for r in resp.done)
+            failed += resp.failed
+        if failed:
+            e = failed[0].error
+            raise errors.error_class(e.code)(
+                f"{failed[0].id}: {e.message}"
+                + (f" (and {len(failed) - 1} more)" if failed[1:] else ""),
+                retryable=e.retryable,
+            )
+        return [reports[i] for i in ids]
+
+    def job(self, name: str, *, priority: int = 0, lease_s: float = 30.0) -> Job:
+        """A job holding a trainer's lease on its sandboxes; use it as ``async with``.
+
+        Sandboxes made with ``job.create(...)`` are paused when the lease lapses (no renewal
+        for ``lease_s``) and resumed when it is renewed; they go when the job ends.
+        ``priority`` (0-100): under pressure, lower-priority jobs' sandboxes are paused first.
+        """
+        return Job(self, _model(JobRenewRequest, name=name, priority=priority, lease_s=lease_s))
 
     async def publish(
         self, snapshot: Snapshot | str, *, kind: str, name: str, version: str

@@ -80,6 +80,8 @@ class SyncSandbox:
     reset = _sync(Sandbox.reset)
     fs_diff = _sync(Sandbox.fs_diff)
     commands = _sync(Sandbox.commands)
+    pause = _sync(Sandbox.pause)
+    resume = _sync(Sandbox.resume)
 
     def __enter__(self) -> SyncSandbox:
         return self
@@ -115,6 +117,8 @@ class Client:
     exec_many = _sync(AsyncClient.exec_many)
     fncall = _sync(AsyncClient.fncall)
     publish = _sync(AsyncClient.publish)
+    pause = _sync(AsyncClient.pause)
+    resume = _sync(AsyncClient.resume)
 
     def close(self) -> None:
         """Disconnect and stop the client's event loop. Idempotent."""

@@ -27,6 +27,7 @@ from dsec_kernel.wire.exec import (
     fit_results,
     shell_argv,
 )
+from dsec_kernel.wire.job import MAX_LEASE_S, JobCloseRequest, JobInfo, JobRenewRequest
 from dsec_kernel.wire.node import (
     BackendInfo,
     Capabilities,
@@ -34,6 +35,13 @@ from dsec_kernel.wire.node import (
     NodeLoad,
     NodesRequest,
     NodesResponse,
+)
+from dsec_kernel.wire.pause import (
+    PAUSE_REASONS,
+    PauseReport,
+    PauseRequest,
+    PauseResponse,
+    ResumeRequest,
 )
 from dsec_kernel.wire.sandbox import (
     MAX_BATCH,
@@ -99,6 +107,12 @@ MESSAGES: tuple[type[Message], ...] = (
     HistoryResponse,
     PublishRequest,
     LayerInfo,
+    PauseRequest,
+    ResumeRequest,
+    PauseResponse,
+    JobRenewRequest,
+    JobInfo,
+    JobCloseRequest,
 )
 
 AnyMessage = Annotated[Union[MESSAGES], Field(discriminator="type")]  # type: ignore[valid-type]  # noqa: UP007
@@ -123,11 +137,13 @@ __all__ = [
     "DEFAULT_MAX_OUTPUT",
     "MAX_BATCH",
     "MAX_FILE_BYTES",
+    "MAX_LEASE_S",
     "MAX_OUTPUT",
     "MAX_TIMEOUT_S",
     "MAX_TTL_S",
     "MESSAGES",
     "NAME_PATTERN",
+    "PAUSE_REASONS",
     "SANDBOX_ID_PATTERN",
     "AnyMessage",
     "BackendInfo",
@@ -151,6 +167,9 @@ __all__ = [
     "FsDiffRequest",
     "HistoryRequest",
     "HistoryResponse",
+    "JobCloseRequest",
+    "JobInfo",
+    "JobRenewRequest",
     "LayerInfo",
     "Limits",
     "ListRequest",
@@ -161,10 +180,14 @@ __all__ = [
     "NodeLoad",
     "NodesRequest",
     "NodesResponse",
+    "PauseReport",
+    "PauseRequest",
+    "PauseResponse",
     "PublishRequest",
     "ReadFileRequest",
     "ReadFileResponse",
     "RestoreRequest",
+    "ResumeRequest",
     "SandboxId",
     "SandboxInfo",
     "SandboxSpec",

@@ -79,6 +79,10 @@ class SandboxSpec(BaseModel):
     ttl_s: float | None = Field(
         None, gt=0, le=MAX_TTL_S, description="destroyed this long after creation"
     )
+    idle_ttl_s: float | None = Field(
+        None, gt=0, le=MAX_TTL_S, description="paused after this long without a command"
+    )
+    job: Name | None = Field(None, description="the job (trainer lease) it belongs to")
     limits: Limits = Field(default_factory=Limits)
     labels: dict[str, str] = Field(default_factory=dict, max_length=64)
     env: Env | None = Field(None, description="layers to compose (container, VM backends)")
@@ -93,8 +97,9 @@ class SandboxSpec(BaseModel):
 class SandboxInfo(BaseModel):
     """A sandbox's record (KV bucket ``dsec-sandboxes``, key = id).
 
-    ``state`` is ``ready`` or ``lost`` (its node went down; files and processes are gone).
-    Later versions may add states; treat unknown ones as not usable.
+    ``state`` is ``ready``, ``paused`` (frozen, memory reclaimed; ``paused_reason`` says
+    why) or ``lost`` (its node went down; files and processes are gone). Later versions may
+    add states; treat unknown ones as not usable.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -107,6 +112,9 @@ class SandboxInfo(BaseModel):
     created_at: float
     expires_at: float | None = None
     labels: dict[str, str] = Field(default_factory=dict)
+    job: str | None = None
+    idle_ttl_s: float | None = None
+    paused_reason: str | None = None
 
 
 class Failure(BaseModel):

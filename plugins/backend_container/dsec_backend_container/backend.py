@@ -24,7 +24,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,6 +34,14 @@ from dsec_backend_container.helper import Helper, compiler
 from dsec_backend_container.layout import Meta, SandboxDir, Trash, process_start
 from dsec_backend_container.network import Egress
 from dsec_backend_container.overlay import apply
+from dsec_backend_container.reclaim import (
+    ZramSwap,
+    freeze,
+    is_frozen,
+    memory_charge,
+    paused_anywhere,
+    reclaim,
+)
 from dsec_backend_container.seccomp import write_profile
 from dsec_backend_container.snapshots import Snapshots
 from dsec_kernel import errors
@@ -42,6 +50,7 @@ from dsec_kernel.backend import (
     BackendContext,
     Capabilities,
     ExecCall,
+    PauseReport,
     SandboxRef,
     SandboxStatus,
 )
@@ -97,6 +106,10 @@ class ContainerConfig(BaseModel):
     snapshot_max_depth: int = Field(16, ge=2)
     snapshot_grace_s: float = Field(60.0, ge=0)
     gc_interval_s: float = Field(60.0, gt=0)
+    pause_swap: Literal["zram", "none"] = Field(
+        "zram", description="zram: make compressed swap for paused sandboxes if none exists"
+    )
+    zram_size_mb: int = Field(0, ge=0, description="its size (0: half the node's memory)")
     egress_subnet: str = Field("10.213.0.0/16", description="addresses of egress sandboxes")
     egress_bridge: str = Field(
         "dsec0", pattern=r"^[A-Za-z0-9_-]{1,15}$", description="the node's bridge for them"
@@ -113,6 +126,7 @@ class ContainerBackend(Backend):
         restore=True,
         fork=True,
         fs_diff=True,
+        pause=True,
         isolation=[
             "pid",
             "mnt",
@@ -184,6 +198,7 @@ class ContainerBackend(Backend):
             self.config.snapshot_grace_s,
         )
         self.egress = Egress(self.config.egress_subnet, self.config.egress_bridge)
+        self.swap = ZramSwap(self.config.zram_size_mb)
         held = await asyncio.to_thread(self.store.adopt, self.node)
         await asyncio.to_thread(self._adopt, held)
         self._gc = asyncio.create_task(self._collect())
@@ -195,6 +210,7 @@ class ContainerBackend(Backend):
             self._gc.cancel()
         await asyncio.to_thread(self.trash.close)
         await asyncio.to_thread(self.egress.close)
+        await asyncio.to_thread(self._drop_swap)
         if not self.metas:
             await asyncio.to_thread(self.cgroups.remove)
 
@@ -338,6 +354,9 @@ class ContainerBackend(Backend):
         c = self.config
         memory = (limits.memory_mb or c.memory_mb) << 20
         group.set("memory", "memory.limit_in_bytes", memory)
+        memsw = group.dirs["memory"] / "memory.memsw.limit_in_bytes"
+        if memsw.exists():  # the limit holds for RAM and swap together: swap is for pausing
+            memsw.write_text(str(memory))
         group.set("pids", "pids.max", limits.pids or c.pids)
         cpus = limits.cpus or c.cpus
         if cpus:
@@ -356,6 +375,8 @@ class ContainerBackend(Backend):
             if not meta.alive():
                 return  # not our init (the pid was reused) or already gone
             signal.pidfd_send_signal(fd, signal.SIGKILL)
+            if is_frozen(group := self._group(meta.id)):  # frozen tasks die once thawed
+                freeze(group, False)
             select.select([fd], [], [], 10)  # readable once it has exited
         finally:
             os.close(fd)
@@ -397,8 +418,47 @@ class ContainerBackend(Backend):
 
     async def status(self, ref: SandboxRef) -> SandboxStatus:
         meta = self._meta(ref.sandbox_id)
-        state = "ready" if meta.alive() else "failed"
+        state = "failed" if not meta.alive() else "paused" if self._paused(meta.id) else "ready"
         return SandboxStatus(sandbox_id=ref.sandbox_id, state=state)
+
+    def _paused(self, sandbox_id: str) -> bool:
+        return is_frozen(self._group(sandbox_id))
+
+    async def pause(self, ref: SandboxRef) -> PauseReport:
+        async with self._lock(ref.sandbox_id):
+            meta = self._meta(ref.sandbox_id)
+            return await asyncio.to_thread(self._pause, meta.id)
+
+    def _drop_swap(self) -> None:
+        freezer_root = self.cgroups.dirs["freezer"].parent
+        self.swap.remove_if_unused(paused_anywhere(freezer_root))
+
+    def _pause(self, sandbox_id: str) -> PauseReport:
+        if self.config.pause_swap == "zram" and (why := self.swap.ensure()):
+            log.warning("%s", why)
+        group = self._group(sandbox_id)
+        started = time.perf_counter()
+        before, swapped_before = memory_charge(group)
+        freeze(group, True)
+        reclaim(group)
+        after, swapped = memory_charge(group)
+        return PauseReport(
+            sandbox_id=sandbox_id, state="paused", seconds=time.perf_counter() - started,
+            memory_before_bytes=before + swapped_before, memory_after_bytes=after,
+            swapped_bytes=swapped,
+        )  # fmt: skip
+
+    async def resume(self, ref: SandboxRef) -> PauseReport:
+        async with self._lock(ref.sandbox_id):
+            meta = self._meta(ref.sandbox_id)
+            group = self._group(meta.id)
+            started = time.perf_counter()
+            await asyncio.to_thread(freeze, group, False)
+            ram, swapped = memory_charge(group)
+            return PauseReport(
+                sandbox_id=meta.id, state="ready", seconds=time.perf_counter() - started,
+                memory_before_bytes=ram + swapped, memory_after_bytes=ram, swapped_bytes=swapped,
+            )  # fmt: skip
 
     async def list_sandboxes(self) -> list[str]:
         """Sandboxes whose init runs: one whose init died is left out, so the edge's
@@ -480,8 +540,9 @@ class ContainerBackend(Backend):
         sd = SandboxDir(self.root, meta.id)
         group = self._group(meta.id)
         busy = len((group.dirs["pids"] / "cgroup.procs").read_text().split()) > 1
+        busy = busy and not is_frozen(group)  # a paused sandbox stays paused
         if busy:  # processes besides init: hold them still while the upper is read
-            _freeze(group, True)
+            freeze(group, True)
         try:
             snap = self.snapshots.take(
                 sd.upper, tenant=meta.tenant, sandbox_id=meta.id, backend=self.name,
@@ -490,7 +551,7 @@ class ContainerBackend(Backend):
             )  # fmt: skip
         finally:
             if busy:
-                _freeze(group, False)
+                freeze(group, False)
         self.snapshots.hold(snap.id, self._snap_holder(meta.id))
         meta.held.append(snap.id)
         meta.last_snapshot = snap.id
@@ -581,18 +642,8 @@ def _protect(pid: int) -> None:
 
 def _kill_frozen(group: Group) -> None:
     """SIGKILL every process of ``group``, frozen first so none can fork meanwhile."""
-    _freeze(group, True)
+    freeze(group, True)
     try:
         group.kill()
     finally:
-        _freeze(group, False)
-
-
-def _freeze(group: Group, frozen: bool) -> None:
-    state = "FROZEN" if frozen else "THAWED"
-    group.set("freezer", "freezer.state", state)
-    deadline = time.monotonic() + 10
-    while frozen and (group.dirs["freezer"] / "freezer.state").read_text().strip() != state:
-        if time.monotonic() > deadline:
-            raise errors.Unavailable("the sandbox did not freeze within 10 s")
-        time.sleep(0.001)
+        freeze(group, False)

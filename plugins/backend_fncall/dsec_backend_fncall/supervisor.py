@@ -300,7 +300,9 @@ def _cgroup_base() -> Group | None:
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             Group.under(parents, stale.name).remove()
     try:
-        return Group.under(parents, f"dsec-fncall-{os.getpid()}").create()
+        group = Group.under(parents, f"dsec-fncall-{os.getpid()}").create()
+        group.set("memory", "memory.swappiness", 0)  # slots inherit it: swap never stretches
+        return group  # a call's memory limit (a node may have swap for paused sandboxes)
     except OSError as exc:
         log.warning("cannot create cgroups (%s): calls are limited by rlimits only", exc)
         return None

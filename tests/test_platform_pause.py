@@ -1,0 +1,139 @@
+"""Pause, resume and idle pausing through the SDK, on a platform of processes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from dsec_backend_container.backend import ContainerBackend
+from dsec_storage_3fs.images import busybox_tree, ensure_layer
+
+import dsec_kernel as dsec
+from dsec_kernel import errors
+from dsec_kernel.storage import open_store
+
+REASON = ContainerBackend.unavailable_reason()
+pytestmark = pytest.mark.skipif(
+    bool(REASON), reason=f"the container backend cannot run here: {REASON}"
+)
+BUSYBOX = dsec.Env(base="busybox:1")
+COUNTER = "(setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.05; done' &)"
+
+
+@pytest.fixture
+async def cluster(local_cluster, tmp_path):
+    root = str(tmp_path / "store")
+    ensure_layer(open_store("3fs", {"root": root, "cache_dir": str(tmp_path / "cache")}),
+                 "base", "busybox", "1", busybox_tree)  # fmt: skip
+    c = local_cluster({"DSEC_STORAGE_CONFIG__ROOT": root})
+    c.start_apiserver()
+    c.start_edge("e", ["container"], "--heartbeat", "0.2")
+    await c.ready()
+    return c
+
+
+async def _count(sb) -> int:
+    return int(await sb.read_file("/tmp/n"))
+
+
+async def test_pause_and_resume_keep_processes_and_files(cluster):
+    async with cluster.client() as c:
+        (sb,) = await c.create(backend="container", env=BUSYBOX)
+        try:
+            await sb.exec(f"echo kept > /tmp/f; {COUNTER}")
+            await asyncio.sleep(0.3)
+            report = await sb.pause()
+            assert report.state == "paused" and report.memory_before_bytes > 0, report
+            info = await sb.status()
+            assert (info.state, info.paused_reason) == ("paused", "requested")
+            n = await _count(sb)  # files can be read while paused
+            with pytest.raises(errors.SandboxPaused, match="resume"):
+                await sb.exec("true")
+            await asyncio.sleep(0.3)
+            assert await _count(sb) == n
+            assert (await sb.resume()).state == "ready"
+            assert (await sb.status()).state == "ready"
+            await asyncio.sleep(0.3)
+            assert await _count(sb) > n
+            assert (await sb.exec("cat /tmp/f")).stdout == b"kept\n"
+            nodes = await c.nodes()
+            assert nodes[0].load.paused == 0
+        finally:
+            await c.destroy([sb])
+
+
+async def test_a_batch_pause_reports_each_and_fails_on_strangers(cluster):
+    async with cluster.client() as c:
+        sbs = await c.create(count=3, backend="container", env=BUSYBOX)
+        try:
+            reports = await c.pause(sbs)
+            assert [r.sandbox_id for r in reports] == [sb.id for sb in sbs]
+            assert {(await sb.status()).state for sb in sbs} == {"paused"}
+            with pytest.raises(errors.NotFound):
+                await c.pause([sbs[0], "sb-" + "0" * 16])
+            await c.resume(sbs)
+            assert [r.exit_code for r in await c.exec_many(sbs, "true")] == [0, 0, 0]
+        finally:
+            await c.destroy(sbs)  # paused or not
+
+
+async def test_an_idle_sandbox_pauses_and_its_next_command_resumes_it(cluster):
+    async with cluster.client() as c:
+        (sb,) = await c.create(backend="container", env=BUSYBOX, idle_ttl=1)
+        try:
+            await sb.exec(COUNTER)
+            for _ in range(50):
+                if (await sb.status()).state == "paused":
+                    break
+                await asyncio.sleep(0.1)
+            info = await sb.status()
+            assert (info.state, info.paused_reason) == ("paused", "idle")
+            n = await _count(sb)
+            r = await sb.exec("cat /tmp/n")
+            assert r.exit_code == 0 and int(r.stdout) >= n
+            assert (await sb.status()).state == "ready"
+        finally:
+            await sb.destroy()
+
+
+async def test_a_backend_that_cannot_pause_says_so(cluster):
+    cluster.start_edge("f", ["noop"], "--heartbeat", "0.2")
+    await cluster.ready()
+    async with cluster.client() as c:
+        (sb,) = await c.create(backend="noop")
+        with pytest.raises(errors.Unsupported, match="cannot pause"):
+            await sb.pause()
+        await sb.destroy()
+
+
+async def test_a_lapsed_lease_pauses_the_job_and_a_renewal_resumes_it(cluster):
+    async with cluster.client() as c:
+        async with c.job("grpo-step-1", priority=5, lease_s=1) as job:
+            sbs = await job.create(count=2, backend="container", env=BUSYBOX)
+            assert {sb.info.job for sb in sbs} == {"grpo-step-1"}
+            await c.exec_many(sbs, f"echo kept > /tmp/f; {COUNTER}")
+            await asyncio.sleep(1.5)  # renewals every lease_s / 3 keep it running
+            assert {(await sb.status()).state for sb in sbs} == {"ready"}
+            job.stop_renewing()  # the trainer is preempted
+            for _ in range(60):
+                if {(await sb.status()).state for sb in sbs} == {"paused"}:
+                    break
+                await asyncio.sleep(0.1)
+            assert [(await sb.status()).paused_reason for sb in sbs] == ["lease", "lease"]
+            with pytest.raises(errors.SandboxPaused, match="renew"):
+                await sbs[0].exec("true")
+            with pytest.raises(errors.SandboxPaused, match="lapsed"):
+                await job.create(backend="container", env=BUSYBOX)
+            counts = [await _count(sb) for sb in sbs]
+            await asyncio.sleep(0.3)
+            assert [await _count(sb) for sb in sbs] == counts  # frozen
+            await job.renew()  # the trainer is back
+            assert {(await sb.status()).state for sb in sbs} == {"ready"}
+            await asyncio.sleep(0.3)
+            after = [await _count(sb) for sb in sbs]
+            assert all(a > n for a, n in zip(after, counts, strict=True)), (after, counts)
+            assert [r.stdout for r in await c.exec_many(sbs, "cat /tmp/f")] == [b"kept\n"] * 2
+            assert {sb.id for sb in await job.sandboxes()} == {sb.id for sb in sbs}
+        assert await c.list() == []  # the job ended: its sandboxes went with it
+        with pytest.raises(errors.InvalidArgument, match="open it first"):
+            await c.create(backend="container", env=BUSYBOX, job="grpo-step-1")
