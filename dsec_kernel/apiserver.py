@@ -27,6 +27,7 @@ from dsec_kernel.leases import Leases
 from dsec_kernel.placement import NodeView, PlacementPolicy, PlacementRequest
 from dsec_kernel.plugins import Hooks
 from dsec_kernel.state import LIVE, NODES, SANDBOXES, TENANTS, ClusterState, Mirror, token_key
+from dsec_kernel.trajectory import Trajectory
 from dsec_kernel.wire import (
     MAX_BATCH,
     CreateRequest,
@@ -43,6 +44,7 @@ from dsec_kernel.wire import (
     FncallRequest,
     FsDiffRequest,
     HistoryRequest,
+    HistoryResponse,
     ListRequest,
     ListResponse,
     NodeInfo,
@@ -109,6 +111,7 @@ class ApiServer:
     async def start(self) -> None:
         self.state = await ClusterState.open(self.nc, replicas=self.settings.kv_replicas)
         js = self.state.js
+        self.trajectory = Trajectory(js)
         self.nodes = Mirror(js, NODES, NodeInfo.model_validate_json, self._node_changed)
         self.sandboxes = Mirror(js, SANDBOXES, SandboxInfo.model_validate_json, self._indexed)
         self.tenants = Mirror(js, TENANTS, lambda b: json.loads(b)["tenant"])
@@ -132,6 +135,7 @@ class ApiServer:
             "fncall": self._fncall,
             "nodes": self._nodes,
             "publish": self._publish,
+            "history": self._history,
             "pause": self._power("pause", PauseRequest),
             "resume": self._power("resume", ResumeRequest),
             "job.renew": self.leases.renew,
@@ -144,7 +148,6 @@ class ApiServer:
                     ("snapshot", SnapshotRequest),
                     ("restore", RestoreRequest),
                     ("fs_diff", FsDiffRequest),
-                    ("history", HistoryRequest),
                 )
             },
         }
@@ -610,6 +613,13 @@ class ApiServer:
                 return PauseResponse(failed=[Failure(id=i, error=exc.to_wire()) for i in ids])
 
         return await asyncio.gather(*(one(n, ids) for n, ids in batches))
+
+    async def _history(self, req: bus.Request) -> HistoryResponse:
+        """From the trajectory stream: works for lost sandboxes, and destroyed ones while
+        the stream keeps their entries."""
+        tenant = await self._auth(req)
+        r = HistoryRequest.model_validate_json(req.data)
+        return HistoryResponse(commands=await self.trajectory.read(tenant, r.sandbox_id))
 
     def _in_sandbox(self, op: str, model: type[Any]) -> bus.Handler:
         """A handler for requests about one of the caller's sandboxes: forwarded to its edge

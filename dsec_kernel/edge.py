@@ -23,9 +23,9 @@ from pydantic import ValidationError
 from dsec_kernel import __version__, bus, errors
 from dsec_kernel.backend import Backend, BackendContext, ExecCall, SandboxRef
 from dsec_kernel.config import EdgeSettings
-from dsec_kernel.history import History
 from dsec_kernel.plugins import Hooks, PluginLoadError, discover, load_drivers
 from dsec_kernel.state import LIVE, ClusterState
+from dsec_kernel.trajectory import Replays, Trajectory
 from dsec_kernel.wire import (
     BackendInfo,
     CommandRecord,
@@ -41,8 +41,6 @@ from dsec_kernel.wire import (
     FncallRequest,
     FsDiff,
     FsDiffRequest,
-    HistoryRequest,
-    HistoryResponse,
     LayerInfo,
     NodeInfo,
     NodeLoad,
@@ -154,7 +152,8 @@ class Edge:
 
     async def start(self) -> None:
         self.state = await ClusterState.open(self.nc, replicas=self.settings.kv_replicas)
-        self.history = History(self.settings.state_dir / "history")
+        self.trajectory = Trajectory(self.state.js)
+        self.replays = Replays(self.trajectory)
         for name, backend in self.backends.items():
             self.hooks.register(backend)
             state_dir = self.settings.state_dir / "backends" / name
@@ -178,7 +177,6 @@ class Edge:
             "snapshot": self._snapshot,
             "restore": self._restore,
             "fs_diff": self._fs_diff,
-            "history": self._history,
             "publish": self._publish,
             "pause": self._pause,
             "resume": self._resume,
@@ -344,6 +342,7 @@ class Edge:
             labels=sb.spec.labels,
             job=sb.spec.job,
             idle_ttl_s=sb.spec.idle_ttl_s,
+            spec=sb.spec,
         )
         self._add(info)
         self._born[sb.id] = time.monotonic()
@@ -366,7 +365,7 @@ class Edge:
     ) -> None:
         await self.backends[backend].destroy(SandboxRef(sandbox_id=sandbox_id))
         self._remove(sandbox_id)
-        self.history.forget(sandbox_id)
+        self.replays.forget(sandbox_id)
         if info is not None:
             await self.hooks.sandbox_destroyed(info, reason)
 
@@ -376,9 +375,20 @@ class Edge:
         return ExecResponse(results=fit_results(list(results)))
 
     async def _exec_one(self, r: ExecRequest, sandbox_id: str) -> ExecResult:
+        """Run the command, log it in the sandbox's trajectory, answer; a request id that
+        already ran there gets the logged result."""
+        rid = r.request_id if r.request_id else None
         self._busy[sandbox_id] += 1  # from before the paused check: no pause slips in
+        ran = mine = False
+        result: ExecResult | None = None
         try:
             info, backend = await self._awake(sandbox_id)
+            if rid:
+                seen = await self.replays.lookup(info.tenant, sandbox_id, rid)
+                if seen is not None:
+                    return await asyncio.shield(seen)
+                self.replays.begin(sandbox_id, rid)
+                mine = True
             reason = await self.hooks.guard_exec(info, r)
             if reason:
                 raise errors.Forbidden(f"refused by a guard: {reason}")
@@ -398,29 +408,41 @@ class Edge:
                 result = await backend.exec(call)
             finally:
                 self.running_execs -= 1
+            ran = True
+            await self._log(info, r, call, started, result)
         except errors.DsecError as exc:
-            return ExecResult(sandbox_id=sandbox_id, exit_code=-1, error=exc.to_wire())
+            result = ExecResult(sandbox_id=sandbox_id, exit_code=-1, error=exc.to_wire())
         finally:
             self._busy[sandbox_id] -= 1
             if self._busy[sandbox_id] <= 0:
                 del self._busy[sandbox_id]
             if sandbox_id in self.sandboxes:
                 self._used[sandbox_id] = time.monotonic()
-        self.history.record(
-            sandbox_id,
-            CommandRecord(
-                argv=call.argv,
-                started_at=started,
-                duration_s=result.duration_s,
-                exit_code=result.exit_code,
-                timed_out=result.timed_out,
-                truncated=result.truncated,
-                stdout_bytes=len(result.stdout),
-                stderr_bytes=len(result.stderr),
-            ),
-        )
-        await self._report(sandbox_id, result)
+            if mine:
+                assert rid is not None
+                gone = errors.Unavailable("the command was cut short; send it again")
+                fallback = ExecResult(sandbox_id=sandbox_id, exit_code=-1, error=gone.to_wire())
+                self.replays.end(sandbox_id, rid, result or fallback, ran)
+        if ran:
+            await self._report(sandbox_id, result)
         return result
+
+    async def _log(
+        self, info: SandboxInfo, r: ExecRequest, call: ExecCall, started: float, result: ExecResult
+    ) -> None:
+        cap = self.settings.trajectory_output_bytes
+        rec = CommandRecord(
+            request_id=r.request_id, argv=call.argv, env=r.env, cwd=r.cwd, user=r.user,
+            timeout_s=r.timeout_s, stdin=r.stdin[:cap], started_at=started,
+            duration_s=result.duration_s, exit_code=result.exit_code,
+            timed_out=result.timed_out, truncated=result.truncated,
+            stdout=result.stdout[:cap], stderr=result.stderr[:cap],
+            stdout_bytes=len(result.stdout), stderr_bytes=len(result.stderr),
+        )  # fmt: skip
+        try:
+            await self.trajectory.append(info.tenant, info.id, rec)
+        except Exception as exc:  # the command ran: its result still goes back
+            log.warning("could not log a command of %s in its trajectory: %s", info.id, exc)
 
     async def _report(self, sandbox_id: str, result: ExecResult) -> None:
         if result.timed_out:
@@ -461,22 +483,29 @@ class Edge:
 
     async def _snapshot(self, req: bus.Request) -> SnapshotInfo:
         r = SnapshotRequest.model_validate_json(req.data)
-        return await self._sandbox(r.sandbox_id)[1].snapshot(r)
+        info, backend = self._sandbox(r.sandbox_id)
+        snap = await backend.snapshot(r)
+        await self._mark(info, "snapshot", snap.id)
+        return snap
 
     async def _restore(self, req: bus.Request) -> SandboxInfo:
         r = RestoreRequest.model_validate_json(req.data)
         info, backend = await self._awake(r.sandbox_id)
         await backend.restore(r)
+        await self._mark(info, "restore", r.snapshot_id)
         return info
+
+    async def _mark(self, info: SandboxInfo, kind: str, snapshot_id: str | None) -> None:
+        """Log a snapshot or restore in the trajectory (a replay starts from the last one)."""
+        rec = CommandRecord(kind=kind, started_at=time.time(), snapshot_id=snapshot_id)
+        try:
+            await self.trajectory.append(info.tenant, info.id, rec)
+        except Exception as exc:
+            log.warning("could not log a %s of %s in its trajectory: %s", kind, info.id, exc)
 
     async def _fs_diff(self, req: bus.Request) -> FsDiff:
         r = FsDiffRequest.model_validate_json(req.data)
         return await self._sandbox(r.sandbox_id)[1].fs_diff(r)
-
-    async def _history(self, req: bus.Request) -> HistoryResponse:
-        r = HistoryRequest.model_validate_json(req.data)
-        self._sandbox(r.sandbox_id)
-        return HistoryResponse(commands=self.history.read(r.sandbox_id))
 
     # -- pause and resume --------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
 from dsec_kernel import errors
+from dsec_kernel.trajectory import ensure_stream
 from dsec_kernel.wire import NAME_PATTERN, JobInfo, NodeInfo, SandboxInfo
 
 __all__ = ["BUCKETS", "JOBS", "LIVE", "ClusterState", "Mirror", "token_key"]
@@ -165,6 +166,8 @@ class ClusterState:
                 raise errors.Unavailable(
                     "JetStream is not enabled on this NATS server; start nats-server with -js"
                 ) from None
+        if create:
+            await ensure_stream(js, replicas)
         return cls(js, kvs)
 
     # -- tenants -----------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
@@ -80,6 +81,19 @@ def _raise_for(result: ExecResult) -> ExecResult:
     return result
 
 
+def replay_plan(log: list[CommandRecord]) -> tuple[str | None, list[CommandRecord]]:
+    """(snapshot to start from, commands to run after it) that rebuild the state a
+    trajectory ends in: the last snapshot or restore, and the commands logged after it."""
+    base: str | None = None
+    todo: list[CommandRecord] = []
+    for rec in log:
+        if rec.kind == "exec":
+            todo.append(rec)
+        else:
+            base, todo = rec.snapshot_id, []
+    return base, todo
+
+
 class Snapshot:
     """A sandbox's files at one moment (see :meth:`Sandbox.snapshot`)."""
 
@@ -134,12 +148,17 @@ class Sandbox:
         stdin: bytes | str = b"",
         user: str | None = None,
         max_output_bytes: int = DEFAULT_MAX_OUTPUT,
+        request_id: str | None = None,
     ) -> ExecResult:
         """Run ``command`` (argv list, or a string for ``/bin/sh -c``) and wait for it.
 
         A command still running at ``timeout`` seconds is killed with everything it started
         and comes back with ``timed_out=True``; output past ``max_output_bytes`` per stream
         is dropped and ``truncated=True``. Raises a DsecError if it could not run at all.
+
+        Each call carries a request id (``request_id``, or a fresh one): if no answer comes
+        in time (lost in a reconnect), the call is sent once more with the same id and gets
+        the first run's result, waiting for it if it still runs — never a second run.
         """
         (result,) = await self._client.exec_many(
             [self],
@@ -150,6 +169,7 @@ class Sandbox:
             stdin=stdin,
             user=user,
             max_output_bytes=max_output_bytes,
+            request_id=request_id,
         )
         return result
 
@@ -213,10 +233,15 @@ class Sandbox:
         req = _model(FsDiffRequest, sandbox_id=self.id, since=sid)
         return await self._client._call("fs_diff", req, FsDiff)
 
+    async def trajectory(self) -> list[CommandRecord]:
+        """The sandbox's ordered log: every command with its result (output capped), and
+        every snapshot and restore. Kept outside the node, so also readable once the
+        sandbox is lost (see :meth:`AsyncClient.recover`) or destroyed (for a day)."""
+        return await self._client.trajectory(self.id)
+
     async def commands(self) -> list[CommandRecord]:
-        """Every command run in the sandbox, in order: argv, exit code, duration, bytes out."""
-        req = _model(HistoryRequest, sandbox_id=self.id)
-        return (await self._client._call("history", req, HistoryResponse)).commands
+        """The commands of :meth:`trajectory` only."""
+        return [r for r in await self.trajectory() if r.kind == "exec"]
 
     async def __aenter__(self) -> Sandbox:
         return self
@@ -395,6 +420,41 @@ class AsyncClient:
             )
         return [reports[i] for i in ids]
 
+    async def trajectory(self, sandbox_id: str) -> list[CommandRecord]:
+        """A sandbox's trajectory by id (see :meth:`Sandbox.trajectory`); JSON lines of it:
+        ``"\\n".join(r.model_dump_json() for r in records)``."""
+        req = _model(HistoryRequest, sandbox_id=sandbox_id)
+        return (await self._call("history", req, HistoryResponse)).commands
+
+    async def recover(self, sandbox: Sandbox | str) -> Sandbox:
+        """Rebuild a lost sandbox: a new one from its last snapshot (or its clean state),
+        then every command logged after that, replayed in order. The lost record goes.
+
+        Commands that depend on the outside world or on time may come out differently;
+        compare ``(await new.commands())`` with the old trajectory if that matters.
+        """
+        sid = sandbox.id if isinstance(sandbox, Sandbox) else sandbox
+        info = await self._call("status", _model(StatusRequest, id=sid), SandboxInfo)
+        if info.state != "lost":
+            raise errors.Conflict(f"sandbox {sid} is {info.state}, not lost: nothing to recover")
+        if info.spec is None:
+            raise errors.Unsupported(f"sandbox {sid} was made by an older DSec: no spec kept")
+        base, todo = replay_plan(await self.trajectory(sid))
+        spec = info.spec.model_copy(update={"snapshot": base or info.spec.snapshot})
+        resp = await self._call("create", CreateRequest(spec=spec), CreateResponse)
+        new = Sandbox(self, resp.sandboxes[0])
+        try:
+            for rec in todo:
+                await new.exec(
+                    rec.argv, timeout=rec.timeout_s or 60.0, env=rec.env, cwd=rec.cwd,
+                    stdin=rec.stdin, user=rec.user,
+                )  # fmt: skip
+        except BaseException:
+            await self.destroy([new])
+            raise
+        await self.destroy([sid])
+        return new
+
     def job(self, name: str, *, priority: int = 0, lease_s: float = 30.0) -> Job:
         """A job holding a trainer's lease on its sandboxes; use it as ``async with``.
 
@@ -431,14 +491,16 @@ class AsyncClient:
         user: str | None = None,
         max_output_bytes: int = DEFAULT_MAX_OUTPUT,
         return_exceptions: bool = False,
+        request_id: str | None = None,
     ) -> list[ExecResult | errors.DsecError]:
         """Run one command in many sandboxes at once (one request per 1,000 sandboxes).
 
         Results come in the order of ``sandboxes``. Like :func:`asyncio.gather`: a sandbox the
         command could not run in raises its error, or with ``return_exceptions`` puts the
-        error in its place in the list.
+        error in its place in the list. ``request_id``: see :meth:`Sandbox.exec`.
         """
         base = dict(
+            request_id=request_id or uuid.uuid4().hex,
             command=command if isinstance(command, str) else list(command),
             timeout_s=timeout,
             env=env or {},
@@ -452,9 +514,14 @@ class AsyncClient:
             _model(ExecRequest, sandbox_ids=ids[i : i + MAX_BATCH], **base)
             for i in range(0, len(ids), MAX_BATCH)
         ]
-        resps = await asyncio.gather(
-            *(self._call("exec", req, ExecResponse, timeout + _MARGIN_S) for req in reqs)
-        )
+
+        async def send(req: ExecRequest) -> ExecResponse:
+            try:
+                return await self._call("exec", req, ExecResponse, timeout + _MARGIN_S)
+            except errors.DeadlineExceeded:  # no answer in time: it may have been lost
+                return await self._call("exec", req, ExecResponse, timeout + _MARGIN_S)
+
+        resps = await asyncio.gather(*(send(req) for req in reqs))
         out: list[ExecResult | errors.DsecError] = []
         for resp in resps:
             for r in resp.results:

@@ -80,6 +80,7 @@ class SyncSandbox:
     reset = _sync(Sandbox.reset)
     fs_diff = _sync(Sandbox.fs_diff)
     commands = _sync(Sandbox.commands)
+    trajectory = _sync(Sandbox.trajectory)
     pause = _sync(Sandbox.pause)
     resume = _sync(Sandbox.resume)
 
@@ -118,6 +119,8 @@ class Client:
     fncall = _sync(AsyncClient.fncall)
     publish = _sync(AsyncClient.publish)
     pause = _sync(AsyncClient.pause)
+    trajectory = _sync(AsyncClient.trajectory)
+    recover = _sync(AsyncClient.recover)
     resume = _sync(AsyncClient.resume)
 
     def close(self) -> None:

@@ -97,6 +97,12 @@ class ExecRequest(Message):
     user: str | None = Field(None, description="user name or uid to run as, if the backend can")
     stdin: bytes = b""
     max_output_bytes: int = OutputCap
+    request_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="the caller's id for this command: sent again, it is not run again; "
+        "the first run's result comes back",
+    )
 
     @field_validator("command")
     @classmethod

@@ -115,6 +115,7 @@ class SandboxInfo(BaseModel):
     job: str | None = None
     idle_ttl_s: float | None = None
     paused_reason: str | None = None
+    spec: SandboxSpec | None = Field(None, description="what it was created from")
 
 
 class Failure(BaseModel):

@@ -71,21 +71,37 @@ class FsDiff(Message):
 
 
 class CommandRecord(BaseModel):
-    """One command run in a sandbox, as the edge saw it."""
+    """One entry of a sandbox's trajectory: a command and its result, or a snapshot or
+    restore (``kind``), in the order the edge saw them. Output is kept up to a cap
+    (``stdout_bytes`` / ``stderr_bytes`` give the full sizes)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", ser_json_bytes="base64", val_json_bytes="base64")
 
-    argv: list[str]
+    kind: Literal["exec", "snapshot", "restore"] = "exec"
+    seq: int = Field(0, description="position in the log (set when read)")
+    request_id: str | None = None
+    argv: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    user: str | None = None
+    timeout_s: float = 0.0
+    stdin: bytes = b""
     started_at: float
-    duration_s: float
-    exit_code: int
+    duration_s: float = 0.0
+    exit_code: int = 0
     timed_out: bool = False
     truncated: bool = False
+    stdout: bytes = b""
+    stderr: bytes = b""
     stdout_bytes: int = 0
     stderr_bytes: int = 0
+    snapshot_id: str | None = Field(None, description="snapshot taken, or restored to")
 
 
 class HistoryRequest(Message):
+    """A sandbox's trajectory; answered from the log, so also for a lost or destroyed one
+    (for as long as the log keeps it)."""
+
     type: Literal["io.dsec.snapshot.v1.history_request"] = "io.dsec.snapshot.v1.history_request"
     sandbox_id: SandboxId
 

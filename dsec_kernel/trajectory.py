@@ -1,0 +1,162 @@
+"""Sandbox trajectories: every command run in a sandbox, with its result, in order.
+
+They live in the JetStream stream ``dsec-trajectory``, one subject per sandbox
+(``dsec.traj.<tenant>.<sandbox id>``), so they outlive the node that ran the commands (a
+lost sandbox can be rebuilt from its last snapshot plus the commands after it) and the
+sandbox itself (provenance, for the stream's ``max_age``). Edges append; apiservers read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.js.errors
+from nats.js import api
+from nats.js.client import JetStreamContext
+
+from dsec_kernel.wire import CommandRecord, ExecResult
+
+__all__ = ["STREAM", "Replays", "Trajectory", "ensure_stream", "subject"]
+
+STREAM = "dsec-trajectory"
+
+
+def subject(tenant: str, sandbox_id: str) -> str:
+    return f"dsec.traj.{tenant}.{sandbox_id}"
+
+
+async def ensure_stream(
+    js: JetStreamContext, replicas: int = 1, max_age_s: float = 86400.0, max_gib: float = 8.0
+) -> None:
+    """Create the stream if it does not exist (oldest entries go first when it is full)."""
+    try:
+        await js.stream_info(STREAM)
+        return
+    except nats.js.errors.NotFoundError:
+        pass
+    config = api.StreamConfig(
+        name=STREAM,
+        subjects=["dsec.traj.>"],
+        storage=api.StorageType.FILE,
+        num_replicas=replicas,
+        max_age=max_age_s,
+        max_bytes=int(max_gib * (1 << 30)),
+        discard=api.DiscardPolicy.OLD,
+    )
+    try:
+        await js.add_stream(config)
+    except nats.js.errors.BadRequestError:  # another process created it meanwhile
+        pass
+
+
+class Trajectory:
+    """Appends to and reads the trajectory stream."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self.js = js
+
+    async def append(self, tenant: str, sandbox_id: str, record: CommandRecord) -> int:
+        """Store one entry (acknowledged by JetStream); returns its sequence number."""
+        data = record.model_dump_json(exclude={"seq"}).encode()
+        ack = await self.js.publish(subject(tenant, sandbox_id), data, stream=STREAM)
+        return ack.seq
+
+    async def read(self, tenant: str, sandbox_id: str) -> list[CommandRecord]:
+        """Every entry still kept, oldest first, ``seq`` set."""
+        sub = await self.js.subscribe(
+            subject(tenant, sandbox_id),
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.ALL,
+            pending_msgs_limit=-1,
+            pending_bytes_limit=-1,
+        )
+        try:
+            info = await sub.consumer_info()
+            sent = info.delivered.consumer_seq if info.delivered else 0
+            if info.num_pending == 0 and not sent:
+                return []
+            out: list[CommandRecord] = []
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=10)
+                except TimeoutError:
+                    break
+                rec = CommandRecord.model_validate_json(msg.data)
+                rec.seq = msg.metadata.sequence.stream
+                out.append(rec)
+                if msg.metadata.num_pending == 0:
+                    break
+            return out
+        finally:
+            await sub.unsubscribe()
+
+
+class Replays:
+    """Exactly-once commands: which request ids each sandbox ran, the futures of those still
+    running, and the results of the last few. A request id seen before gets its first run's
+    result (waiting for it if it is still running) instead of running again.
+
+    Results not kept in memory (older ones, or from before an edge restart) are read back
+    from the trajectory, output capped as it was logged.
+    """
+
+    def __init__(self, trajectory: Trajectory, keep: int = 8) -> None:
+        self.trajectory = trajectory
+        self.keep = keep
+        self._ids: dict[str, set[str]] = {}
+        self._results: dict[str, dict[str, asyncio.Future[ExecResult]]] = {}
+
+    async def lookup(
+        self, tenant: str, sandbox_id: str, request_id: str
+    ) -> asyncio.Future[ExecResult] | None:
+        """The run of ``request_id`` in the sandbox, or None if it never ran there."""
+        ids = self._ids.get(sandbox_id)
+        if ids is None:  # first request since this edge started: learn what ran before
+            log = await self.trajectory.read(tenant, sandbox_id)
+            ids = self._ids.setdefault(sandbox_id, set())
+            ids.update(r.request_id for r in log if r.request_id)
+        if request_id not in ids:
+            return None
+        fut = self._results.get(sandbox_id, {}).get(request_id)
+        if fut is not None:
+            return fut
+        for rec in reversed(await self.trajectory.read(tenant, sandbox_id)):
+            if rec.request_id == request_id:
+                done: asyncio.Future[ExecResult] = asyncio.get_running_loop().create_future()
+                done.set_result(_result(sandbox_id, rec))
+                return done
+        return None
+
+    def begin(self, sandbox_id: str, request_id: str) -> asyncio.Future[ExecResult]:
+        """Mark ``request_id`` as running in the sandbox (call right after :meth:`lookup`)."""
+        fut: asyncio.Future[ExecResult] = asyncio.get_running_loop().create_future()
+        self._ids.setdefault(sandbox_id, set()).add(request_id)
+        results = self._results.setdefault(sandbox_id, {})
+        results[request_id] = fut
+        finished = [k for k, f in results.items() if f.done()]  # oldest first
+        for old in finished[: max(0, len(finished) - self.keep)]:
+            del results[old]
+        return fut
+
+    def end(self, sandbox_id: str, request_id: str, result: ExecResult, ran: bool) -> None:
+        """The run finished with ``result``; if the command did not run (``ran`` False, e.g.
+        the sandbox was paused) the id is forgotten, so sending it again runs it."""
+        fut = self._results.get(sandbox_id, {}).get(request_id)
+        if fut is not None and not fut.done():
+            fut.set_result(result)
+        if not ran:
+            self._ids.get(sandbox_id, set()).discard(request_id)
+            self._results.get(sandbox_id, {}).pop(request_id, None)
+
+    def forget(self, sandbox_id: str) -> None:
+        self._ids.pop(sandbox_id, None)
+        self._results.pop(sandbox_id, None)
+
+
+def _result(sandbox_id: str, rec: CommandRecord) -> ExecResult:
+    return ExecResult(
+        sandbox_id=sandbox_id, stdout=rec.stdout, stderr=rec.stderr, exit_code=rec.exit_code,
+        duration_s=rec.duration_s, timed_out=rec.timed_out,
+        truncated=rec.truncated or len(rec.stdout) < rec.stdout_bytes
+        or len(rec.stderr) < rec.stderr_bytes,
+    )  # fmt: skip
