@@ -14,7 +14,7 @@ import logging
 import math
 import secrets
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +101,8 @@ class ApiServer:
         self._down: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._fncall_inflight: dict[str, int] = defaultdict(int)
         self._by_node: dict[str, set[str]] = defaultdict(set)  # node -> sandbox ids
+        self._job_nodes: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+        self._job_of: dict[str, tuple[tuple[str, str], str]] = {}  # id -> ((tenant, job), node)
         self._tasks: list[asyncio.Task[None]] = []
         self._drain: Any = None
         self._mirrors: list[Mirror[Any]] = []
@@ -120,7 +122,7 @@ class ApiServer:
             self._mirrors.append(m)
         self._mirrors.append(await self.leases.start())
         for sid, (info, _) in self.sandboxes.items.items():
-            self._by_node[info.node].add(sid)
+            self._indexed(sid, info)
         now = time.monotonic()
         for name, (info, _) in self.nodes.items.items():
             self.views[name] = NodeView(info)
@@ -187,12 +189,18 @@ class ApiServer:
     # -- mirrors -----------------------------------------------------------------------------
 
     def _indexed(self, sandbox_id: str, info: SandboxInfo | None) -> None:
-        """Keep the node -> sandboxes index in step with the sandboxes mirror."""
+        """Keep the node -> sandboxes and job -> nodes indexes in step with the mirror."""
         if info is None:
             for ids in self._by_node.values():
                 ids.discard(sandbox_id)
-        else:
-            self._by_node[info.node].add(sandbox_id)
+            if (old := self._job_of.pop(sandbox_id, None)) is not None:
+                self._job_nodes[old[0]][old[1]] -= 1
+            return
+        self._by_node[info.node].add(sandbox_id)
+        if info.job and sandbox_id not in self._job_of:
+            key = (info.tenant, info.job)
+            self._job_of[sandbox_id] = (key, info.node)
+            self._job_nodes[key][info.node] += 1
 
     # -- nodes -------------------------------------------------------------------------------
 
@@ -371,7 +379,7 @@ class ApiServer:
             raise errors.Unavailable(f"could not record the sandboxes: {exc}") from exc
         for info in created:
             self.sandboxes.items[info.id] = (info, revs[info.id])
-            self._by_node[info.node].add(info.id)
+            self._indexed(info.id, info)
         return CreateResponse(sandboxes=created)
 
     async def _place_and_create(
@@ -379,7 +387,8 @@ class ApiServer:
     ) -> tuple[list[SandboxInfo], list[EdgeSandbox], errors.DsecError | None]:
         """One placement round: returns (created, still to do, last error)."""
         views = [v for n, v in self.views.items() if n not in excluded]
-        nodes = self.policy.place(PlacementRequest(tenant, r.spec, len(todo)), views)
+        jobs = dict(self._job_nodes[(tenant, r.spec.job)]) if r.spec.job else {}
+        nodes = self.policy.place(PlacementRequest(tenant, r.spec, len(todo), jobs), views)
         groups: dict[str, list[EdgeSandbox]] = defaultdict(list)
         for sb, node in zip(todo, nodes, strict=True):
             groups[node].append(sb)
@@ -482,7 +491,7 @@ class ApiServer:
         for info in infos:
             if info.id in gone:
                 self.sandboxes.items.pop(info.id, None)
-                self._by_node[info.node].discard(info.id)
+                self._indexed(info.id, None)
         if error is not None:
             raise error
         return done

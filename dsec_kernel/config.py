@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from dsec_kernel.placement import PlacementConfig
 from dsec_kernel.wire import NAME_PATTERN
 
 __all__ = [
@@ -52,6 +53,7 @@ class ApiSettings(_Common):
     """Settings of an apiserver process."""
 
     placement: str = Field("least-loaded", description="the dsec.placement policy to use")
+    placement_config: PlacementConfig = Field(default_factory=PlacementConfig)
     node_timeout_s: float = Field(
         5.0, gt=0, description="a node silent this long is marked down, its sandboxes lost"
     )

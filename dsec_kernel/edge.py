@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from contextlib import suppress
 from typing import Any
 
@@ -136,6 +136,7 @@ class Edge:
         self.paused: dict[str, str] = {}  # sandbox id -> why (a PAUSE_REASONS value)
         self._busy: Counter[str] = Counter()  # sandbox id -> commands running in it
         self._used: dict[str, float] = {}  # sandbox id -> last command's end (monotonic)
+        self._layers: OrderedDict[str, None] = OrderedDict()  # layers used here, newest last
         self._backend_infos = [
             BackendInfo(name=n, version=_plugin_version(b), capabilities=b.capabilities)
             for n, b in backends.items()
@@ -238,12 +239,21 @@ class Edge:
         if info is not None:
             self._counts[info.backend] -= 1
 
+    def _used_layers(self, refs: list[str]) -> None:
+        """Remember layers used on this node (placement prefers nodes that have them)."""
+        for ref in refs:
+            self._layers[ref] = None
+            self._layers.move_to_end(ref)
+        while len(self._layers) > 256:
+            self._layers.popitem(last=False)
+
     def node_info(self) -> NodeInfo:
         cpus = os.cpu_count() or 1
         return NodeInfo(
             node=self.node,
             edge_id=self.edge_id,
             pool=self.settings.pool,
+            layers=list(self._layers),
             backends=self._backend_infos,
             cpus=cpus,
             memory_mb=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20,
@@ -346,6 +356,8 @@ class Edge:
         )
         self._add(info)
         self._born[sb.id] = time.monotonic()
+        if sb.spec.env:
+            self._used_layers([ref for _, ref in sb.spec.env.refs()])
         await self.hooks.sandbox_created(info)
         return info
 

@@ -1,9 +1,16 @@
 """Placement: which node gets each sandbox of a create request.
 
 A placement policy is a class under the ``dsec.placement`` entry-point group; the apiserver
-loads the one configured (``least-loaded`` by default). Policies see :class:`NodeView` s
-(a node's last heartbeat plus what this apiserver placed there since) and may be refined by
-the ``dsec_placement_filter`` / ``dsec_placement_score`` hooks of any plugin.
+loads the one configured (``least-loaded`` by default; ``bin-pack`` and ``spread-by-job``
+ship too). Policies see :class:`NodeView` s (a node's last heartbeat plus what this apiserver
+placed there since) and may be refined by the ``dsec_placement_filter`` /
+``dsec_placement_score`` hooks of any plugin.
+
+Every policy built on :class:`ScoredPolicy` also
+
+* prefers nodes that have the sandbox's layers cached (``locality_weight``), and
+* bursts: nodes in the ``burst_pool`` (e.g. ``cloud``) take sandboxes only once the other
+  nodes are ``burst_threshold`` full (or cannot take them all); then they are preferred.
 """
 
 from __future__ import annotations
@@ -13,22 +20,49 @@ import heapq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from dsec_kernel import errors
 
 if TYPE_CHECKING:
     from dsec_kernel.plugins import Hooks
     from dsec_kernel.wire import NodeInfo, SandboxSpec
 
-__all__ = ["LeastLoaded", "NodeView", "PlacementPolicy", "PlacementRequest"]
+__all__ = [
+    "BinPack",
+    "LeastLoaded",
+    "NodeView",
+    "PlacementConfig",
+    "PlacementPolicy",
+    "PlacementRequest",
+    "ScoredPolicy",
+    "SpreadByJob",
+]
+
+
+class PlacementConfig(BaseModel):
+    """``DSEC_PLACEMENT_CONFIG__<FIELD>``: settings every policy gets."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    burst_pool: str = Field("cloud", description="the node pool that takes overflow")
+    burst_threshold: float = Field(
+        0.8, gt=0, le=1, description="fill of the other pools past which new sandboxes burst"
+    )
+    locality_weight: float = Field(
+        0.25, ge=0, description="bonus for a node with all the sandbox's layers cached"
+    )
 
 
 @dataclass(frozen=True)
 class PlacementRequest:
-    """What is being placed: ``count`` sandboxes of ``spec`` for ``tenant``."""
+    """What is being placed: ``count`` sandboxes of ``spec`` for ``tenant``;
+    ``job_counts``: how many sandboxes of the spec's job each node holds already."""
 
     tenant: str
     spec: SandboxSpec
     count: int
+    job_counts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,8 +90,9 @@ class NodeView:
 class PlacementPolicy(abc.ABC):
     """Chooses nodes. ``place`` must be fast: it runs inside every create request."""
 
-    def __init__(self, hooks: Hooks) -> None:
+    def __init__(self, hooks: Hooks, config: PlacementConfig | None = None) -> None:
         self.hooks = hooks
+        self.config = config or PlacementConfig()
 
     def candidates(self, request: PlacementRequest, nodes: list[NodeView]) -> list[NodeView]:
         """Nodes that are up, run the backend, have room and pass every plugin's filter."""
@@ -79,12 +114,13 @@ class PlacementPolicy(abc.ABC):
         """
 
 
-class LeastLoaded(PlacementPolicy):
-    """Each sandbox goes to the node with the lowest fill ratio for its backend.
+class ScoredPolicy(PlacementPolicy):
+    """Places one sandbox at a time on the node with the lowest :meth:`score`, after the
+    burst rule has chosen which nodes may take them. Subclasses define ``score``."""
 
-    Ratio = sandboxes / capacity, so nodes of different sizes fill evenly; plugin scores are
-    added (a score of 1.0 outweighs a completely full node). Ties go to the lower CPU load.
-    """
+    @abc.abstractmethod
+    def score(self, request: PlacementRequest, node: NodeView, used: int, cap: int) -> float:
+        """Lower is better; ``used`` counts the sandboxes placed so far in this request."""
 
     def place(self, request: PlacementRequest, nodes: list[NodeView]) -> list[str]:
         backend = request.spec.backend
@@ -95,19 +131,78 @@ class LeastLoaded(PlacementPolicy):
                 f"no room for {request.count} {backend} sandboxes: "
                 f"{sum(free.values())} free on {len(cands)} node(s); retry later or add nodes"
             )
-        heap: list[tuple[float, float, str, int, int, float]] = []
+        cands = self._burst(request, cands, free)
+        refs = [ref for _, ref in request.spec.env.refs()] if request.spec.env else []
+        bonus = {n.name: self._bonus(request, n, refs) for n in cands}
+        counts = dict(request.job_counts)
+        heap = []
         for n in cands:
-            cap = n.capacity(backend)
-            bonus = self.hooks.placement_score(n, request)
-            used = n.used(backend)
-            heap.append((used / cap - bonus, n.info.load.cpu_load, n.name, used, cap, bonus))
+            used, cap = n.used(backend), n.capacity(backend)
+            heap.append((self.score(request, n, used, cap) - bonus[n.name], n.name, n, used, cap))
         heapq.heapify(heap)
         out: list[str] = []
         for _ in range(request.count):
-            _, cpu, name, used, cap, bonus = heapq.heappop(heap)
+            _, name, n, used, cap = heapq.heappop(heap)
             out.append(name)
             used += 1
             free[name] -= 1
+            counts[name] = counts.get(name, 0) + 1
             if free[name] > 0:
-                heapq.heappush(heap, ((used / cap) - bonus, cpu, name, used, cap, bonus))
+                placed = PlacementRequest(request.tenant, request.spec, request.count, counts)
+                s = self.score(placed, n, used, cap) - bonus[name]
+                heapq.heappush(heap, (s, name, n, used, cap))
         return out
+
+    def _bonus(self, request: PlacementRequest, node: NodeView, refs: list[str]) -> float:
+        bonus = self.hooks.placement_score(node, request)
+        if refs and self.config.locality_weight:
+            cached = set(node.info.layers)
+            bonus += self.config.locality_weight * sum(r in cached for r in refs) / len(refs)
+        return bonus
+
+    def _burst(
+        self, request: PlacementRequest, cands: list[NodeView], free: dict[str, int]
+    ) -> list[NodeView]:
+        """The nodes this request may use: the burst pool's only past the threshold."""
+        backend = request.spec.backend
+        burst = [n for n in cands if n.info.pool == self.config.burst_pool]
+        home = [n for n in cands if n.info.pool != self.config.burst_pool]
+        if not burst or not home:
+            return cands
+        cap = sum(n.capacity(backend) for n in home)
+        fill = sum(n.used(backend) for n in home) / cap if cap else 1.0
+        if fill >= self.config.burst_threshold:
+            room = sum(free[n.name] for n in burst)
+            return burst if room >= request.count else cands
+        room = sum(free[n.name] for n in home)
+        return home if room >= request.count else cands
+
+
+class LeastLoaded(ScoredPolicy):
+    """Each sandbox goes to the node with the lowest fill ratio for its backend.
+
+    Ratio = sandboxes / capacity, so nodes of different sizes fill evenly; plugin scores and
+    the locality bonus are subtracted (a score of 1.0 outweighs a completely full node).
+    Ties go to the lower CPU load.
+    """
+
+    def score(self, request: PlacementRequest, node: NodeView, used: int, cap: int) -> float:
+        return used / cap + node.info.load.cpu_load * 1e-3
+
+
+class BinPack(ScoredPolicy):
+    """Fill the fullest node that still has room first, so whole nodes stay free (to be
+    drained, turned off, or given to large jobs)."""
+
+    def score(self, request: PlacementRequest, node: NodeView, used: int, cap: int) -> float:
+        return -used / cap
+
+
+class SpreadByJob(ScoredPolicy):
+    """Spread one job's sandboxes over as many nodes as possible (a node failure costs the
+    job little); among nodes holding as many of the job, the least loaded. Sandboxes
+    without a job are placed as by least-loaded."""
+
+    def score(self, request: PlacementRequest, node: NodeView, used: int, cap: int) -> float:
+        mine = request.job_counts.get(node.name, 0) if request.spec.job else 0
+        return mine + used / cap

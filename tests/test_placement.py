@@ -1,29 +1,40 @@
-"""The least-loaded placement policy."""
+"""Placement policies: least-loaded, bin-pack, spread-by-job; layer locality; cloud burst."""
 
 from collections import Counter
 
 import pytest
 
 from dsec_kernel import errors, hookimpl
-from dsec_kernel.placement import LeastLoaded, NodeView, PlacementRequest
+from dsec_kernel.placement import (
+    BinPack,
+    LeastLoaded,
+    NodeView,
+    PlacementConfig,
+    PlacementRequest,
+    SpreadByJob,
+)
 from dsec_kernel.plugins import Hooks
-from dsec_kernel.wire import BackendInfo, Capabilities, NodeInfo, NodeLoad, SandboxSpec
+from dsec_kernel.wire import BackendInfo, Capabilities, Env, NodeInfo, NodeLoad, SandboxSpec
+
+HOOKS = Hooks.load(guards=[])
 
 
-def node(name, cap=100, used=0, state="up", backend="noop"):
+def node(name, cap=100, used=0, state="up", backend="noop", pool="default", layers=()):
     return NodeView(
         NodeInfo(
             node=name,
             edge_id=name,
             state=state,
+            pool=pool,
+            layers=list(layers),
             backends=[BackendInfo(name=backend, capabilities=Capabilities(max_sandboxes=cap))],
             load=NodeLoad(sandboxes=used, by_backend={backend: used}),
         )
     )
 
 
-def request(count, backend="noop"):
-    return PlacementRequest("t", SandboxSpec(backend=backend), count)
+def request(count, backend="noop", jobs=None, **spec):
+    return PlacementRequest("t", SandboxSpec(backend=backend, **spec), count, jobs or {})
 
 
 def test_spreads_evenly_and_fills_by_ratio():
@@ -63,3 +74,49 @@ def test_plugins_filter_and_score():
     policy = LeastLoaded(Hooks.load(plugins=[PreferB()], guards=[]))
     placed = Counter(policy.place(request(10), [node("a"), node("b"), node("c")]))
     assert placed == {"b": 10}
+
+
+def test_bin_pack_fills_the_fullest_node_first():
+    policy = BinPack(HOOKS)
+    nodes = [node("a", cap=10, used=2), node("b", cap=10, used=7), node("c", cap=10)]
+    assert Counter(policy.place(request(5), nodes)) == {"b": 3, "a": 2}
+
+
+def test_spread_by_job_puts_one_job_on_as_many_nodes_as_it_can():
+    policy = SpreadByJob(HOOKS)
+    nodes = [node("a", used=90), node("b"), node("c"), node("d")]
+    placed = Counter(policy.place(request(4, job="j"), nodes))
+    assert placed == {"a": 1, "b": 1, "c": 1, "d": 1}  # even the busy node: the job spreads
+    already = {"b": 2, "c": 2, "d": 2}
+    placed = Counter(policy.place(request(3, job="j", jobs=already), nodes))
+    assert placed["a"] >= 2, placed
+    assert Counter(policy.place(request(3), nodes))["a"] == 0  # no job: least loaded
+
+
+def test_nodes_with_the_layers_cached_are_preferred():
+    env = Env(base="py:3", workspace="repo:1")
+    nodes = [
+        node("cold"),
+        node("warm", used=10, layers=["py:3", "repo:1"]),
+        node("half", layers=["py:3"]),
+    ]
+    placed = Counter(LeastLoaded(HOOKS).place(request(1, env=env), nodes))
+    assert placed == {"warm": 1}
+    placed = Counter(
+        LeastLoaded(HOOKS, PlacementConfig(locality_weight=0)).place(request(1, env=env), nodes)
+    )
+    assert placed["warm"] == 0
+
+
+def test_the_cloud_pool_takes_sandboxes_only_past_the_threshold():
+    policy = LeastLoaded(HOOKS)  # burst_pool "cloud" at 80 %
+    cloud = node("c1", pool="cloud")
+    assert set(policy.place(request(10), [node("p1", cap=100, used=50), cloud])) == {"p1"}
+    assert set(policy.place(request(10), [node("p1", cap=100, used=85), cloud])) == {"c1"}
+    # on-prem cannot take them all: the overflow goes to the cloud
+    placed = Counter(policy.place(request(20), [node("p1", cap=100, used=50, state="up"),
+                                                node("p2", cap=10, used=0), cloud]))  # fmt: skip
+    assert placed["c1"] == 0  # 60 free on-prem: enough
+    placed = Counter(policy.place(request(20), [node("p1", cap=20, used=10), cloud]))
+    assert placed["c1"] >= 10  # at least what on-prem has no room for
+    assert set(BinPack(HOOKS).place(request(5), [node("p1", used=10), cloud])) == {"p1"}

@@ -47,7 +47,7 @@ async def _apiserver(settings: ApiSettings, stop: asyncio.Event) -> None:
     nc = await bus.connect(
         settings.nats_url, name="dsec-apiserver", credentials=settings.nats_credentials
     )
-    server = ApiServer(nc, settings, hooks, policy_cls(hooks))
+    server = ApiServer(nc, settings, hooks, policy_cls(hooks, settings.placement_config))
     try:
         await server.start()
         log.info("apiserver ready on %s (placement %s)", settings.nats_url, settings.placement)

@@ -73,6 +73,9 @@ class NodeInfo(Message):
     edge_id: str = Field(description="random id of the edge process; changes on restart")
     state: Literal["up", "down"] = "up"
     pool: str = Field("default", pattern=NAME_PATTERN, description="node pool label")
+    layers: list[str] = Field(
+        default_factory=list, description="layers (name:version) lately used or staged here"
+    )
     labels: dict[str, str] = Field(default_factory=dict)
     backends: list[BackendInfo] = Field(default_factory=list)
     cpus: int = 1
