@@ -25,6 +25,7 @@ _EXPORTS = {
     "SyncSandbox": "dsec_kernel.sdk",
     "Snapshot": "dsec_kernel.sdk",
     "Job": "dsec_kernel.sdk",
+    "Pool": "dsec_kernel.sdk",
     "PauseReport": "dsec_kernel.wire",
     "Env": "dsec_kernel.wire",
     "FsDiff": "dsec_kernel.wire",
@@ -90,7 +91,7 @@ if TYPE_CHECKING:
         Unsupported,
     )
     from dsec_kernel.plugins import hookimpl
-    from dsec_kernel.sdk import AsyncClient, Client, Job, Sandbox, Snapshot, SyncSandbox
+    from dsec_kernel.sdk import AsyncClient, Client, Job, Pool, Sandbox, Snapshot, SyncSandbox
     from dsec_kernel.wire import (
         Env,
         ExecResult,

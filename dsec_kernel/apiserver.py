@@ -26,6 +26,7 @@ from dsec_kernel.config import ApiSettings
 from dsec_kernel.leases import Leases
 from dsec_kernel.placement import NodeView, PlacementPolicy, PlacementRequest
 from dsec_kernel.plugins import Hooks
+from dsec_kernel.pools import Pools
 from dsec_kernel.state import LIVE, NODES, SANDBOXES, TENANTS, ClusterState, Mirror, token_key
 from dsec_kernel.trajectory import Trajectory
 from dsec_kernel.wire import (
@@ -56,6 +57,7 @@ from dsec_kernel.wire import (
     RestoreRequest,
     ResumeRequest,
     SandboxInfo,
+    SandboxSpec,
     SnapshotRequest,
     StatusRequest,
     WriteFileRequest,
@@ -107,6 +109,7 @@ class ApiServer:
         self._drain: Any = None
         self._mirrors: list[Mirror[Any]] = []
         self.leases = Leases(self)
+        self.pools = Pools(self)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -121,6 +124,7 @@ class ApiServer:
             await m.start()
             self._mirrors.append(m)
         self._mirrors.append(await self.leases.start())
+        self._mirrors.append(await self.pools.start())
         for sid, (info, _) in self.sandboxes.items.items():
             self._indexed(sid, info)
         now = time.monotonic()
@@ -142,6 +146,10 @@ class ApiServer:
             "resume": self._power("resume", ResumeRequest),
             "job.renew": self.leases.renew,
             "job.close": self.leases.close,
+            "pool.open": self.pools.open,
+            "pool.acquire": self.pools.acquire,
+            "pool.release": self.pools.release,
+            "pool.close": self.pools.close,
             **{
                 op: self._in_sandbox(op, model)
                 for op, model in (
@@ -165,6 +173,7 @@ class ApiServer:
             asyncio.create_task(self._loop(self.settings.node_timeout_s / 4, self.check_nodes)),
             asyncio.create_task(self._loop(1.0, self.reap_expired)),
             asyncio.create_task(self._loop(self.settings.lease_check_s, self.leases.check)),
+            asyncio.create_task(self._loop(self.settings.pool_fill_s, self.pools.refill)),
         ]
 
     async def stop(self) -> None:
@@ -173,6 +182,7 @@ class ApiServer:
         for t in self._tasks:
             with suppress(asyncio.CancelledError):
                 await t
+        await self.pools.stop()
         if self._drain is not None:
             await self._drain()
         for m in self._mirrors:
@@ -190,6 +200,7 @@ class ApiServer:
 
     def _indexed(self, sandbox_id: str, info: SandboxInfo | None) -> None:
         """Keep the node -> sandboxes and job -> nodes indexes in step with the mirror."""
+        self.pools.indexed(sandbox_id, info)
         if info is None:
             for ids in self._by_node.values():
                 ids.discard(sandbox_id)
@@ -326,29 +337,14 @@ class ApiServer:
     async def _create(self, req: bus.Request) -> CreateResponse:
         tenant = await self._auth(req)
         r = CreateRequest.model_validate_json(req.data)
-        backend = r.spec.backend
-        if not any(v.info.backend(backend) for v in self.views.values()):
-            known = sorted({b.name for v in self.views.values() for b in v.info.backends})
-            raise errors.UnknownBackend(
-                f"no node runs backend {backend!r}; backends in this cluster: "
-                f"{', '.join(known) or 'none (is an edge running?)'}"
-            )
-        if r.spec.job:
-            job = self.leases.job(tenant, r.spec.job)
-            if job is None:
-                raise errors.InvalidArgument(
-                    f"no job {r.spec.job!r}: open it first (`async with client.job(...)`)"
-                )
-            if job.state != "active":
-                raise errors.SandboxPaused(
-                    f"job {r.spec.job!r}: its lease lapsed; renew it before creating more"
-                )
-        if r.spec.snapshot and not any(
-            (b := v.info.backend(backend)) and b.capabilities.fork for v in self.views.values()
-        ):
-            raise errors.Unsupported(
-                f"backend {backend!r} cannot start sandboxes from a snapshot (no fork capability)"
-            )
+        return CreateResponse(sandboxes=await self.create_sandboxes(tenant, r))
+
+    async def create_sandboxes(
+        self, tenant: str, r: CreateRequest, pool: str | None = None, in_pool: bool = False
+    ) -> list[SandboxInfo]:
+        """Create and record ``r.count`` sandboxes for ``tenant``: all of them, or none
+        (members of warm pool ``pool``, waiting in it with ``in_pool``)."""
+        self.check_spec(tenant, r.spec)
         now = time.time()
         expires = now + r.spec.ttl_s if r.spec.ttl_s else None
         todo = [
@@ -372,6 +368,8 @@ class ApiServer:
         if todo:
             await self._rollback(created)
             raise error or errors.Internal("creation failed")
+        if pool is not None:
+            created = [i.model_copy(update={"pool": pool, "in_pool": in_pool}) for i in created]
         try:
             revs = await self.state.put_sandboxes(created)  # type: ignore[union-attr]
         except Exception as exc:
@@ -380,7 +378,33 @@ class ApiServer:
         for info in created:
             self.sandboxes.items[info.id] = (info, revs[info.id])
             self._indexed(info.id, info)
-        return CreateResponse(sandboxes=created)
+        return created
+
+    def check_spec(self, tenant: str, spec: SandboxSpec) -> None:
+        """Raise the typed error a create of ``spec`` would meet before reaching a node."""
+        backend = spec.backend
+        if not any(v.info.backend(backend) for v in self.views.values()):
+            known = sorted({b.name for v in self.views.values() for b in v.info.backends})
+            raise errors.UnknownBackend(
+                f"no node runs backend {backend!r}; backends in this cluster: "
+                f"{', '.join(known) or 'none (is an edge running?)'}"
+            )
+        if spec.job:
+            job = self.leases.job(tenant, spec.job)
+            if job is None:
+                raise errors.InvalidArgument(
+                    f"no job {spec.job!r}: open it first (`async with client.job(...)`)"
+                )
+            if job.state != "active":
+                raise errors.SandboxPaused(
+                    f"job {spec.job!r}: its lease lapsed; renew it before creating more"
+                )
+        if spec.snapshot and not any(
+            (b := v.info.backend(backend)) and b.capabilities.fork for v in self.views.values()
+        ):
+            raise errors.Unsupported(
+                f"backend {backend!r} cannot start sandboxes from a snapshot (no fork capability)"
+            )
 
     async def _place_and_create(
         self, tenant: str, r: CreateRequest, todo: list[EdgeSandbox], excluded: set[str]

@@ -59,6 +59,7 @@ class ApiSettings(_Common):
     )
     edge_timeout_s: float = Field(30.0, gt=0, description="longest wait for an edge's answer")
     lease_check_s: float = Field(0.5, gt=0, description="how often job leases are checked")
+    pool_fill_s: float = Field(0.5, gt=0, description="how often warm pools are refilled")
 
 
 class EdgeSettings(_Common):

@@ -6,6 +6,7 @@ Buckets (history 1, file storage, ``replicas`` copies)::
     dsec-sandboxes   <sandbox id>      SandboxInfo
     dsec-tenants     <sha256(token)>   {"tenant": name, "created_at": t}
     dsec-jobs        <tenant>.<job>    JobInfo    a trainer's lease
+    dsec-pools       <tenant>.<pool>   PoolInfo   a warm pool's spec and size
 
 State changes that can race (a node going down, a sandbox reported lost) use compare-and-set
 on the entry's revision. :class:`Mirror` keeps an in-memory copy of a bucket from a watch.
@@ -34,12 +35,13 @@ from dsec_kernel import errors
 from dsec_kernel.trajectory import ensure_stream
 from dsec_kernel.wire import NAME_PATTERN, JobInfo, NodeInfo, SandboxInfo
 
-__all__ = ["BUCKETS", "JOBS", "LIVE", "ClusterState", "Mirror", "token_key"]
+__all__ = ["BUCKETS", "JOBS", "LIVE", "POOLS", "ClusterState", "Mirror", "token_key"]
 
 log = logging.getLogger(__name__)
 
-NODES, SANDBOXES, TENANTS, JOBS = "dsec-nodes", "dsec-sandboxes", "dsec-tenants", "dsec-jobs"
-BUCKETS = (NODES, SANDBOXES, TENANTS, JOBS)
+NODES, SANDBOXES, TENANTS = "dsec-nodes", "dsec-sandboxes", "dsec-tenants"
+JOBS, POOLS = "dsec-jobs", "dsec-pools"
+BUCKETS = (NODES, SANDBOXES, TENANTS, JOBS, POOLS)
 #: states of a sandbox that exists on its node
 LIVE = ("ready", "paused")
 T = TypeVar("T")
@@ -139,6 +141,7 @@ class ClusterState:
         self.sandboxes = kvs[SANDBOXES]
         self.tenants = kvs[TENANTS]
         self.jobs = kvs[JOBS]
+        self.pools = kvs[POOLS]
 
     @classmethod
     async def open(cls, nc: NATS, *, replicas: int = 1, create: bool = True) -> ClusterState:

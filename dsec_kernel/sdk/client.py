@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 from dsec_kernel import bus, errors
 from dsec_kernel.connection import resolve
 from dsec_kernel.sdk.job import Job
+from dsec_kernel.sdk.pool import Pool
 from dsec_kernel.wire import (
     DEFAULT_MAX_OUTPUT,
     MAX_BATCH,
@@ -43,6 +45,8 @@ from dsec_kernel.wire import (
     PauseReport,
     PauseRequest,
     PauseResponse,
+    PoolInfo,
+    PoolOpenRequest,
     PublishRequest,
     ReadFileRequest,
     ReadFileResponse,
@@ -454,6 +458,32 @@ class AsyncClient:
             raise
         await self.destroy([sid])
         return new
+
+    async def pool(
+        self,
+        *,
+        backend: str,
+        size: int,
+        env: Env | None = None,
+        max_size: int | None = None,
+        name: str | None = None,
+        limits: Limits | None = None,
+        labels: dict[str, str] | None = None,
+        network: str = "none",
+        idle_ttl: float | None = None,
+    ) -> Pool:
+        """A warm pool of ``size`` ready sandboxes of this spec, filled in the background
+        and grown by demand up to ``max_size`` (default 4 x size). ``name`` defaults to one
+        derived from the spec, so the same spec finds the same pool again."""
+        spec = _model(
+            SandboxSpec, backend=backend, env=env, limits=limits or Limits(),
+            labels=labels or {}, network=network, idle_ttl_s=idle_ttl,
+        )  # fmt: skip
+        if name is None:
+            digest = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:12]
+            name = f"{backend}-{digest}"
+        req = _model(PoolOpenRequest, name=name, spec=spec, size=size, max_size=max_size)
+        return Pool(self, await self._call("pool.open", req, PoolInfo))
 
     def job(self, name: str, *, priority: int = 0, lease_s: float = 30.0) -> Job:
         """A job holding a trainer's lease on its sandboxes; use it as ``async with``.

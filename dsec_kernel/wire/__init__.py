@@ -43,6 +43,14 @@ from dsec_kernel.wire.pause import (
     PauseResponse,
     ResumeRequest,
 )
+from dsec_kernel.wire.pool import (
+    AcquireRequest,
+    AcquireResponse,
+    PoolCloseRequest,
+    PoolInfo,
+    PoolOpenRequest,
+    ReleaseRequest,
+)
 from dsec_kernel.wire.sandbox import (
     MAX_BATCH,
     MAX_TTL_S,
@@ -113,6 +121,12 @@ MESSAGES: tuple[type[Message], ...] = (
     JobRenewRequest,
     JobInfo,
     JobCloseRequest,
+    PoolOpenRequest,
+    PoolInfo,
+    AcquireRequest,
+    AcquireResponse,
+    ReleaseRequest,
+    PoolCloseRequest,
 )
 
 AnyMessage = Annotated[Union[MESSAGES], Field(discriminator="type")]  # type: ignore[valid-type]  # noqa: UP007
@@ -145,6 +159,8 @@ __all__ = [
     "NAME_PATTERN",
     "PAUSE_REASONS",
     "SANDBOX_ID_PATTERN",
+    "AcquireRequest",
+    "AcquireResponse",
     "AnyMessage",
     "BackendInfo",
     "Capabilities",
@@ -183,9 +199,13 @@ __all__ = [
     "PauseReport",
     "PauseRequest",
     "PauseResponse",
+    "PoolCloseRequest",
+    "PoolInfo",
+    "PoolOpenRequest",
     "PublishRequest",
     "ReadFileRequest",
     "ReadFileResponse",
+    "ReleaseRequest",
     "RestoreRequest",
     "ResumeRequest",
     "SandboxId",

@@ -99,7 +99,8 @@ class SandboxInfo(BaseModel):
 
     ``state`` is ``ready``, ``paused`` (frozen, memory reclaimed; ``paused_reason`` says
     why) or ``lost`` (its node went down; files and processes are gone). Later versions may
-    add states; treat unknown ones as not usable.
+    add states; treat unknown ones as not usable. A sandbox of a warm pool has ``pool`` set,
+    and ``in_pool`` while it waits there to be acquired.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -116,6 +117,8 @@ class SandboxInfo(BaseModel):
     idle_ttl_s: float | None = None
     paused_reason: str | None = None
     spec: SandboxSpec | None = Field(None, description="what it was created from")
+    pool: str | None = Field(None, description="the warm pool it belongs to")
+    in_pool: bool = Field(False, description="idle in its pool, not acquired")
 
 
 class Failure(BaseModel):
