@@ -22,6 +22,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from dsec_kernel import __version__, bus, errors
+from dsec_kernel.admission import Admission
 from dsec_kernel.config import ApiSettings
 from dsec_kernel.leases import Leases
 from dsec_kernel.placement import NodeView, PlacementPolicy, PlacementRequest
@@ -110,6 +111,7 @@ class ApiServer:
         self._mirrors: list[Mirror[Any]] = []
         self.leases = Leases(self)
         self.pools = Pools(self)
+        self.admission = Admission(self)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -125,6 +127,7 @@ class ApiServer:
             self._mirrors.append(m)
         self._mirrors.append(await self.leases.start())
         self._mirrors.append(await self.pools.start())
+        self._mirrors.append(await self.admission.start())
         for sid, (info, _) in self.sandboxes.items.items():
             self._indexed(sid, info)
         now = time.monotonic()
@@ -174,6 +177,7 @@ class ApiServer:
             asyncio.create_task(self._loop(1.0, self.reap_expired)),
             asyncio.create_task(self._loop(self.settings.lease_check_s, self.leases.check)),
             asyncio.create_task(self._loop(self.settings.pool_fill_s, self.pools.refill)),
+            asyncio.create_task(self._loop(1.0, self.admission.rebalance)),
         ]
 
     async def stop(self) -> None:
@@ -201,6 +205,7 @@ class ApiServer:
     def _indexed(self, sandbox_id: str, info: SandboxInfo | None) -> None:
         """Keep the node -> sandboxes and job -> nodes indexes in step with the mirror."""
         self.pools.indexed(sandbox_id, info)
+        self.admission.indexed(sandbox_id, info)
         if info is None:
             for ids in self._by_node.values():
                 ids.discard(sandbox_id)
@@ -232,6 +237,7 @@ class ApiServer:
         # placements a heartbeat already counts go (both times are the edge's clock)
         self._placed[name] = [p for p in self._placed[name] if p.done_at > info.heartbeat_at]
         self._recount(name)
+        self.admission.pump()
 
     def _recount(self, node: str) -> None:
         view = self.views.get(node)
@@ -337,7 +343,15 @@ class ApiServer:
     async def _create(self, req: bus.Request) -> CreateResponse:
         tenant = await self._auth(req)
         r = CreateRequest.model_validate_json(req.data)
-        return CreateResponse(sandboxes=await self.create_sandboxes(tenant, r))
+        self.check_spec(tenant, r.spec)
+        job = self.leases.job(tenant, r.spec.job) if r.spec.job else None
+        priority = job.priority if job else 0
+        async with self.admission.admitted(tenant, r.spec, r.count, r.wait_s, priority) as (
+            waited,
+            position,
+        ):
+            created = await self.create_sandboxes(tenant, r)
+        return CreateResponse(sandboxes=created, queued_s=waited, queue_position=position)
 
     async def create_sandboxes(
         self, tenant: str, r: CreateRequest, pool: str | None = None, in_pool: bool = False
@@ -516,6 +530,7 @@ class ApiServer:
             if info.id in gone:
                 self.sandboxes.items.pop(info.id, None)
                 self._indexed(info.id, None)
+        self.admission.pump()
         if error is not None:
             raise error
         return done

@@ -60,6 +60,16 @@ class ApiSettings(_Common):
     edge_timeout_s: float = Field(30.0, gt=0, description="longest wait for an edge's answer")
     lease_check_s: float = Field(0.5, gt=0, description="how often job leases are checked")
     pool_fill_s: float = Field(0.5, gt=0, description="how often warm pools are refilled")
+    queue_per_tenant: int = Field(
+        50_000, ge=0, description="most sandboxes of one tenant waiting for room"
+    )
+    protect_s: float = Field(
+        60.0, ge=0, description="a sandbox this close to its ttl is never paused for priority"
+    )
+    quota_default_cpus: float = Field(1.0, gt=0, description="quota charge without a CPU limit")
+    quota_default_memory_mb: int = Field(
+        2048, gt=0, description="quota charge without a memory limit"
+    )
 
 
 class EdgeSettings(_Common):

@@ -260,6 +260,9 @@ class Edge:
             load=NodeLoad(
                 sandboxes=len(self.sandboxes),
                 paused=len(self.paused),
+                paused_by_backend=dict(
+                    Counter(self.sandboxes[i].backend for i in self.paused if i in self.sandboxes)
+                ),
                 by_backend=dict(self._counts),
                 running_execs=self.running_execs,
                 cpu_load=os.getloadavg()[0] / cpus,

@@ -17,6 +17,7 @@ on the other side as the matching subclass::
      ├── SandboxLost          its node went down; state is gone
      ├── SandboxPaused        paused (lease lapsed, priority, request): resume it first
      ├── QueueFull            the tenant's admission queue is full  (retryable)
+     ├── QuotaExceeded        the tenant's quota does not allow it
      ├── Conflict             the state changed under the request (retryable)
      └── Internal             a bug or an unexpected failure
 
@@ -37,6 +38,7 @@ __all__ = [
     "InvalidArgument",
     "NotFound",
     "QueueFull",
+    "QuotaExceeded",
     "SandboxLost",
     "SandboxPaused",
     "Unauthenticated",
@@ -119,6 +121,10 @@ class QueueFull(DsecError):
     default_retryable = True
 
 
+class QuotaExceeded(DsecError):
+    code = "quota_exceeded"
+
+
 class Conflict(DsecError):
     code = "conflict"
     default_retryable = True
@@ -143,6 +149,7 @@ _BY_CODE: dict[str, type[DsecError]] = {
         SandboxLost,
         SandboxPaused,
         QueueFull,
+        QuotaExceeded,
         Conflict,
         Internal,
     )

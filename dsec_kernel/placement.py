@@ -81,7 +81,11 @@ class NodeView:
         return b.capabilities.max_sandboxes if b else 0
 
     def used(self, backend: str) -> int:
-        return self.info.load.by_backend.get(backend, 0) + self.pending.get(backend, 0)
+        """Running sandboxes of ``backend`` (paused ones, their memory reclaimed, do not
+        count) plus those placed since the heartbeat."""
+        load = self.info.load
+        running = load.by_backend.get(backend, 0) - load.paused_by_backend.get(backend, 0)
+        return running + self.pending.get(backend, 0)
 
     def free(self, backend: str) -> int:
         return max(0, self.capacity(backend) - self.used(backend))

@@ -7,6 +7,7 @@ Buckets (history 1, file storage, ``replicas`` copies)::
     dsec-tenants     <sha256(token)>   {"tenant": name, "created_at": t}
     dsec-jobs        <tenant>.<job>    JobInfo    a trainer's lease
     dsec-pools       <tenant>.<pool>   PoolInfo   a warm pool's spec and size
+    dsec-quotas      <tenant>          Quota      a tenant's limits
 
 State changes that can race (a node going down, a sandbox reported lost) use compare-and-set
 on the entry's revision. :class:`Mirror` keeps an in-memory copy of a bucket from a watch.
@@ -35,13 +36,13 @@ from dsec_kernel import errors
 from dsec_kernel.trajectory import ensure_stream
 from dsec_kernel.wire import NAME_PATTERN, JobInfo, NodeInfo, SandboxInfo
 
-__all__ = ["BUCKETS", "JOBS", "LIVE", "POOLS", "ClusterState", "Mirror", "token_key"]
+__all__ = ["BUCKETS", "JOBS", "LIVE", "POOLS", "QUOTAS", "ClusterState", "Mirror", "token_key"]
 
 log = logging.getLogger(__name__)
 
 NODES, SANDBOXES, TENANTS = "dsec-nodes", "dsec-sandboxes", "dsec-tenants"
-JOBS, POOLS = "dsec-jobs", "dsec-pools"
-BUCKETS = (NODES, SANDBOXES, TENANTS, JOBS, POOLS)
+JOBS, POOLS, QUOTAS = "dsec-jobs", "dsec-pools", "dsec-quotas"
+BUCKETS = (NODES, SANDBOXES, TENANTS, JOBS, POOLS, QUOTAS)
 #: states of a sandbox that exists on its node
 LIVE = ("ready", "paused")
 T = TypeVar("T")
@@ -142,6 +143,7 @@ class ClusterState:
         self.tenants = kvs[TENANTS]
         self.jobs = kvs[JOBS]
         self.pools = kvs[POOLS]
+        self.quotas = kvs[QUOTAS]
 
     @classmethod
     async def open(cls, nc: NATS, *, replicas: int = 1, create: bool = True) -> ClusterState:

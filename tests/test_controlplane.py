@@ -1,7 +1,8 @@
 """The control plane on a real nats-server: apiservers and edges in this process (noop backend).
 
 Covers placement across edges, batching, tenants, bad input, TTLs, several apiservers,
-apiserver restarts, nodes going down and edge reconciliation.
+apiserver restarts, nodes going down, edge reconciliation, and admission control (a full
+cluster queues creates and answers every one, bounded queues, quotas).
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from dsec_kernel.natsserver import NatsServer
 from dsec_kernel.placement import LeastLoaded
 from dsec_kernel.plugins import Hooks
 from dsec_kernel.state import ClusterState
-from dsec_kernel.wire import CreateRequest, CreateResponse, EdgeSandbox, SandboxSpec
+from dsec_kernel.wire import (
+    CreateRequest,
+    CreateResponse,
+    EdgeSandbox,
+    Limits,
+    Quota,
+    SandboxSpec,
+)
 
 HEARTBEAT = 0.2
 NODE_TIMEOUT = 1.5
@@ -247,7 +255,7 @@ async def test_a_failed_create_leaves_nothing_behind(platform):
     state = platform.apis[0].state
     assert await state.scan_sandboxes() == {}
     with pytest.raises(errors.CapacityExceeded) as exc:
-        await c.create(count=5000, backend="noop")
+        await c.create(count=5000, backend="noop", wait=0)
     assert exc.value.retryable and flaky.ids == set()
     await c.close()
 
@@ -373,3 +381,80 @@ async def test_clients_reach_only_the_apiservers(platform):
     assert sb.id in edge.sandboxes
     await c.destroy([sb])
     await c.close()
+
+
+# -- admission ---------------------------------------------------------------------------
+
+SMALL = {"backend_config": {"noop": {"max_sandboxes": 10}}}
+
+
+async def test_a_full_cluster_queues_creates_and_admits_them_as_room_frees(platform):
+    await platform.add_edge("e1", **SMALL)
+    c = await platform.tenant("alice")
+    first = await c.create(count=10, backend="noop")
+    waiting = [asyncio.ensure_future(c.create(backend="noop", wait=10)) for _ in range(5)]
+    await asyncio.sleep(0.5)
+    assert not any(w.done() for w in waiting), "they wait for room, not fail"
+    await c.destroy(first[:5])
+    made = await asyncio.wait_for(asyncio.gather(*waiting), 10)
+    assert len({sb.id for group in made for sb in group}) == 5
+    await c.destroy(first[5:] + [sb for group in made for sb in group])
+    await c.close()
+
+
+async def test_the_wait_runs_out_with_a_retryable_error_naming_the_position(platform):
+    await platform.add_edge("e1", **SMALL)
+    c = await platform.tenant("alice")
+    full = await c.create(count=10, backend="noop")
+    with pytest.raises(errors.CapacityExceeded, match="position 1") as exc:
+        await c.create(backend="noop", wait=0.3)
+    assert exc.value.retryable
+    assert len(await c.list()) == 10  # nothing half-made
+    await c.destroy(full)
+    await c.close()
+
+
+async def test_the_queue_of_a_tenant_is_bounded(platform):
+    await platform.add_edge("e1", **SMALL)
+    platform.apis[0].settings.queue_per_tenant = 3
+    c = await platform.tenant("alice")
+    full = await c.create(count=10, backend="noop")
+    waiting = [asyncio.ensure_future(c.create(backend="noop", wait=10)) for _ in range(3)]
+    await asyncio.sleep(0.3)
+    with pytest.raises(errors.QueueFull) as exc:
+        await c.create(backend="noop", wait=10)
+    assert exc.value.retryable
+    other = await platform.tenant("bob")  # another tenant's queue is its own
+    bobs = asyncio.ensure_future(other.create(backend="noop", wait=10))
+    await c.destroy(full[:4])
+    await asyncio.wait_for(asyncio.gather(*waiting, bobs), 10)
+    await c.destroy(full[4:] + [sb for w in waiting for sb in w.result()])
+    await other.destroy(bobs.result())
+    await c.close()
+    await other.close()
+
+
+async def test_quotas_limit_sandboxes_cpus_and_memory(platform):
+    await platform.add_edge("e1")
+    state = await ClusterState.open(await platform._nc("admin"))
+    await state.quotas.put(
+        "alice", Quota(sandboxes=5, cpus=4, memory_mb=8192).model_dump_json().encode()
+    )
+    c = await platform.tenant("alice")
+    await until(lambda: _has_quota(platform))
+    three = await c.create(count=3, backend="noop")  # 3 CPUs, 6 GiB by default
+    with pytest.raises(errors.QuotaExceeded, match="CPUs"):
+        await c.create(count=2, backend="noop")
+    one = await c.create(backend="noop", limits=Limits(cpus=0.5, memory_mb=512))
+    with pytest.raises(errors.QuotaExceeded, match="memory"):
+        await c.create(backend="noop", limits=Limits(cpus=0.5, memory_mb=4096))
+    await c.destroy(three)
+    more = await c.create(count=4, backend="noop", limits=Limits(cpus=0.5, memory_mb=256))
+    with pytest.raises(errors.QuotaExceeded, match="sandboxes"):
+        await c.create(backend="noop", limits=Limits(cpus=0.1, memory_mb=64))
+    await c.destroy(one + more)
+    await c.close()
+
+
+async def _has_quota(platform) -> bool:
+    return platform.apis[0].admission.quotas.get("alice") is not None

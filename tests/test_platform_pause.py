@@ -137,3 +137,40 @@ async def test_a_lapsed_lease_pauses_the_job_and_a_renewal_resumes_it(cluster):
         assert await c.list() == []  # the job ended: its sandboxes went with it
         with pytest.raises(errors.InvalidArgument, match="open it first"):
             await c.create(backend="container", env=BUSYBOX, job="grpo-step-1")
+
+
+async def test_a_higher_priority_job_pauses_lower_ones_to_get_room(local_cluster, tmp_path):
+    """Room for 3: a priority-1 job holds it; a priority-9 job asks for 2 and gets them by
+    pausing two of the first job's sandboxes (not its one near its end); when the
+    priority-9 job ends, they resume."""
+    root = str(tmp_path / "store")
+    ensure_layer(open_store("3fs", {"root": root, "cache_dir": str(tmp_path / "cache")}),
+                 "base", "busybox", "1", busybox_tree)  # fmt: skip
+    small = {
+        "DSEC_STORAGE_CONFIG__ROOT": root,
+        "DSEC_BACKEND_CONFIG__CONTAINER__MAX_SANDBOXES": "4",
+    }
+    cluster = local_cluster(small)
+    cluster.start_apiserver()
+    cluster.start_edge("e", ["container"], "--heartbeat", "0.2")
+    await cluster.ready()
+    async with cluster.client() as c:
+        low = c.job("rollouts", priority=1, lease_s=30)
+        await low.renew()
+        lows = await low.create(count=3, backend="container", env=BUSYBOX)
+        (ending,) = await low.create(backend="container", env=BUSYBOX, ttl=30)  # protected
+        await c.exec_many(lows, "echo mine > /tmp/f")
+        async with c.job("eval", priority=9, lease_s=30) as high:
+            highs = await high.create(count=2, backend="container", env=BUSYBOX, wait=20)
+            states = {sb.id: (await sb.status()) for sb in [*lows, ending]}
+            paused = [i for i, s in states.items() if s.state == "paused"]
+            assert len(paused) == 2, states
+            assert {states[i].paused_reason for i in paused} == {"priority"}
+            assert states[ending.id].state == "ready"
+            assert [r.exit_code for r in await c.exec_many(highs, "true")] == [0, 0]
+        for _ in range(100):  # the eval job ended: room again, the paused ones resume
+            if {(await sb.status()).state for sb in lows} == {"ready"}:
+                break
+            await asyncio.sleep(0.1)
+        assert [r.stdout for r in await c.exec_many(lows, "cat /tmp/f")] == [b"mine\n"] * 3
+        await low.close()

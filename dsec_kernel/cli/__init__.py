@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--out", type=Path, help="directory (default: print one JSON document)")
 
     s = sub.add_parser("tenant", help="manage tenants (operator; talks to NATS directly)")
-    s.add_argument("action", choices=["create"])
+    s.add_argument("action", choices=["create", "quota"], help="create: print a new credential; "
+                   "quota: set limits (omitted ones: none)")  # fmt: skip
     s.add_argument("name")
     s.add_argument("--nats-url", default=None, help="service URL (default: from `dsec up`)")
+    s.add_argument("--sandboxes", type=int, help="quota: most sandboxes at once")
+    s.add_argument("--cpus", type=float, help="quota: most CPUs (sum of the sandboxes' limits)")
+    s.add_argument("--memory-mb", type=int, help="quota: most memory (sum of their limits)")
 
     s = sub.add_parser("layer", help="manage layers in the layer store (DSEC_STORAGE_CONFIG__ROOT)")
     lsub = s.add_subparsers(dest="layer_cmd", required=True, metavar="ACTION")
@@ -134,10 +139,14 @@ def _cmd_schema(out: Path | None) -> int:
     return 0
 
 
-async def _cmd_tenant(name: str, url: str | None) -> int:
+async def _cmd_tenant(args: argparse.Namespace) -> int:
     from dsec_kernel import bus
     from dsec_kernel.config import default_state_dir
     from dsec_kernel.state import ClusterState
+    from dsec_kernel.wire import NAME_PATTERN, Quota
+
+    name, url = args.name, args.nats_url
+    quota = Quota(sandboxes=args.sandboxes, cpus=args.cpus, memory_mb=args.memory_mb)
 
     if url is None:  # the service URL that `dsec up` wrote next to the connection file
         path = default_state_dir() / "service.json"
@@ -149,7 +158,14 @@ async def _cmd_tenant(name: str, url: str | None) -> int:
             ) from None
     nc = await bus.connect(url, name="dsec-cli")
     try:
-        token = await (await ClusterState.open(nc, create=False)).create_tenant(name)
+        state = await ClusterState.open(nc, create=False)
+        if args.action == "quota":
+            if not re.match(NAME_PATTERN, name):
+                raise errors.InvalidArgument(f"{name!r} is not a tenant name")
+            await state.quotas.put(name, quota.model_dump_json().encode())
+            print(f"tenant {name}: quota {quota.model_dump_json()}")
+            return 0
+        token = await state.create_tenant(name)
     finally:
         await nc.drain()
     print(token)
@@ -313,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "layer":
             return _cmd_layer(args)
         if args.cmd == "tenant":
-            return asyncio.run(_cmd_tenant(args.name, args.nats_url))
+            return asyncio.run(_cmd_tenant(args))
         return asyncio.run(_client_cmd(args))
     except errors.DsecError as exc:
         print(f"dsec: {exc}", file=sys.stderr)

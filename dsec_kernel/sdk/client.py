@@ -322,6 +322,7 @@ class AsyncClient:
         batch_size: int = 500,
         concurrency: int = 4,
         job: str | None = None,
+        wait: float = 30.0,
     ) -> list[Sandbox]:
         """Create ``count`` sandboxes alike, in batches of ``batch_size`` (one request each).
 
@@ -332,6 +333,10 @@ class AsyncClient:
         seconds until the platform destroys them; ``idle_ttl``: seconds without a command
         until it pauses one (the next command resumes it). ``progress(done, total)`` is
         called as batches complete. ``job``: the job they belong to (see :meth:`job`).
+
+        When the cluster is full, each batch waits in the admission queue for up to
+        ``wait`` seconds (higher-priority jobs first), then raises a retryable
+        CapacityExceeded; QueueFull if your queue is full, QuotaExceeded past your quota.
         """
         if count < 1:
             raise errors.InvalidArgument(f"count must be at least 1, not {count}")
@@ -357,9 +362,8 @@ class AsyncClient:
         async def one(n: int) -> list[Sandbox]:
             nonlocal done
             async with slots:
-                resp = await self._call(
-                    "create", CreateRequest(spec=spec, count=n), CreateResponse, self.timeout * 2
-                )
+                req = _model(CreateRequest, spec=spec, count=n, wait_s=wait)
+                resp = await self._call("create", req, CreateResponse, self.timeout * 2 + wait)
             done += n
             if progress is not None:
                 progress(done, count)

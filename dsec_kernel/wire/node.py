@@ -56,6 +56,7 @@ class NodeLoad(BaseModel):
     sandboxes: int = 0
     paused: int = Field(0, description="of them, paused (frozen, memory reclaimed)")
     by_backend: dict[str, int] = Field(default_factory=dict)
+    paused_by_backend: dict[str, int] = Field(default_factory=dict)
     running_execs: int = 0
     cpu_load: float = Field(0.0, description="1-minute load average divided by CPU count")
     mem_available_mb: int = 0

@@ -23,6 +23,7 @@ __all__ = [
     "Limits",
     "ListRequest",
     "ListResponse",
+    "Quota",
     "SandboxInfo",
     "SandboxSpec",
     "StatusRequest",
@@ -131,16 +132,34 @@ class Failure(BaseModel):
 
 
 class CreateRequest(Message):
-    """Create ``count`` sandboxes alike. All are created, or none is left behind."""
+    """Create ``count`` sandboxes alike. All are created, or none is left behind.
+
+    If the cluster has no room now, the request waits in the admission queue (in order of
+    its job's priority, then arrival) for up to ``wait_s``; then it fails with a retryable
+    CapacityExceeded. A tenant's queue is bounded: past it, QueueFull at once.
+    """
 
     type: Literal["io.dsec.sandbox.v1.create_request"] = "io.dsec.sandbox.v1.create_request"
     spec: SandboxSpec
     count: int = Field(1, ge=1, le=MAX_BATCH)
+    wait_s: float = Field(30.0, ge=0, le=600, description="longest wait in the admission queue")
 
 
 class CreateResponse(Message):
     type: Literal["io.dsec.sandbox.v1.create_response"] = "io.dsec.sandbox.v1.create_response"
     sandboxes: list[SandboxInfo]
+    queued_s: float = Field(0.0, description="time spent in the admission queue")
+    queue_position: int = Field(0, description="place in the queue on arrival (0: none)")
+
+
+class Quota(BaseModel):
+    """A tenant's limits (KV bucket ``dsec-quotas``); None: no limit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sandboxes: int | None = Field(None, ge=0)
+    cpus: float | None = Field(None, ge=0, description="sum of the sandboxes' CPU limits")
+    memory_mb: int | None = Field(None, ge=0, description="sum of their memory limits")
 
 
 class StatusRequest(Message):

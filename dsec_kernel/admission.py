@@ -1,0 +1,264 @@
+"""Admission control: quotas, a bounded queue per tenant, and priorities.
+
+Every create passes here before placement. It is checked against the tenant's quota
+(sandboxes, CPU, memory: KV ``dsec-quotas``), then admitted if the cluster has room for all
+of it now — room is what placement sees free on nodes that are up (paused sandboxes do not
+count), less what was admitted and is still being created. Otherwise it waits in its
+backend's queue, ordered by its job's priority and then by arrival, for up to its
+``wait_s``; a tenant's queued sandboxes are bounded (``queue_per_tenant``), past which it is
+refused with QueueFull at once. Every request is answered: created, or a typed error.
+
+When the request at the head of a queue has a higher priority than running sandboxes of
+other jobs, those are paused (reason ``priority``; state kept, memory reclaimed) to make
+room, sparing any within ``protect_s`` of its end. Priority-paused sandboxes are resumed,
+highest priority first, when the queue is empty and room is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from dsec_kernel import errors
+from dsec_kernel.state import QUOTAS, Mirror
+from dsec_kernel.wire import Quota, SandboxInfo, SandboxSpec
+
+if TYPE_CHECKING:
+    from dsec_kernel.apiserver import ApiServer
+
+__all__ = ["Admission"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(order=True)
+class _Waiter:
+    order: tuple[int, int]  # (-priority, arrival)
+    tenant: str = field(compare=False)
+    count: int = field(compare=False)
+    priority: int = field(compare=False)
+    future: asyncio.Future[None] = field(compare=False)
+    preempted_at: float = field(default=0.0, compare=False)
+
+
+class Admission:
+    """The apiserver's admission control; see the module docstring."""
+
+    def __init__(self, api: ApiServer) -> None:
+        self.api = api
+        self.settings = api.settings
+        self.queues: dict[str, list[_Waiter]] = defaultdict(list)  # backend -> heap
+        self.queued: Counter[str] = Counter()  # tenant -> sandboxes waiting
+        self.reserved: Counter[str] = Counter()  # backend -> admitted, being created
+        self.quotas: Mirror[Quota] | None = None
+        self._arrivals = itertools.count()
+        self._usage: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+        self._charged: dict[str, tuple[str, float, float]] = {}  # id -> (tenant, cpus, mb)
+        self._pending: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+        self._tasks: set[asyncio.Task[object]] = set()
+
+    async def start(self) -> Mirror[Quota]:
+        assert self.api.state is not None
+        self.quotas = Mirror(self.api.state.js, QUOTAS, Quota.model_validate_json)
+        await self.quotas.start()
+        return self.quotas
+
+    # -- quotas ------------------------------------------------------------------------------
+
+    def charge(self, spec: SandboxSpec | None) -> tuple[float, float]:
+        """(CPUs, MiB) a sandbox of ``spec`` counts against its tenant's quota."""
+        limits = spec.limits if spec else None
+        cpus = (limits.cpus if limits else None) or self.settings.quota_default_cpus
+        mb = (limits.memory_mb if limits else None) or self.settings.quota_default_memory_mb
+        return cpus, float(mb)
+
+    def indexed(self, sandbox_id: str, info: SandboxInfo | None) -> None:
+        """Keep each tenant's usage in step with the sandboxes mirror."""
+        if info is not None and info.state != "lost":
+            if sandbox_id not in self._charged:
+                cpus, mb = self.charge(info.spec)
+                self._charged[sandbox_id] = (info.tenant, cpus, mb)
+                _add(self._usage[info.tenant], 1, cpus, mb)
+            return
+        old = self._charged.pop(sandbox_id, None)
+        if old is not None:
+            _add(self._usage[old[0]], -1, -old[1], -old[2])
+
+    def _check_quota(self, tenant: str, spec: SandboxSpec, count: int) -> tuple[float, float]:
+        assert self.quotas is not None
+        cpus, mb = self.charge(spec)
+        quota = self.quotas.get(tenant)
+        if quota is None:
+            return cpus, mb
+        used = [a + b for a, b in zip(self._usage[tenant], self._pending[tenant], strict=True)]
+        for what, have, add, limit in (
+            ("sandboxes", used[0], count, quota.sandboxes),
+            ("CPUs", used[1], cpus * count, quota.cpus),
+            ("MiB of memory", used[2], mb * count, quota.memory_mb),
+        ):
+            if limit is not None and have + add > limit:
+                raise errors.QuotaExceeded(
+                    f"tenant {tenant}: {have:g} {what} in use plus {add:g} asked for is over "
+                    f"its quota of {limit:g}; destroy sandboxes or ask for a larger quota"
+                )
+        return cpus, mb
+
+    # -- the queue ---------------------------------------------------------------------------
+
+    def free(self, backend: str) -> int:
+        up = (v for v in self.api.views.values() if v.info.state == "up")
+        return sum(v.free(backend) for v in up) - self.reserved[backend]
+
+    @asynccontextmanager
+    async def admitted(
+        self, tenant: str, spec: SandboxSpec, count: int, wait_s: float, priority: int
+    ) -> AsyncIterator[tuple[float, int]]:
+        """Hold room for ``count`` sandboxes of ``spec`` while the block creates them;
+        yields (seconds queued, position on arrival)."""
+        backend = spec.backend
+        cpus, mb = self._check_quota(tenant, spec, count)
+        pending = (count, cpus * count, mb * count)
+        _add(self._pending[tenant], *pending)
+        try:
+            waited, position = await self._wait(tenant, backend, count, wait_s, priority)
+            try:
+                yield waited, position
+            finally:
+                self.reserved[backend] -= count
+                self.pump(backend)
+        finally:
+            _add(self._pending[tenant], *(-x for x in pending))
+
+    async def _wait(
+        self, tenant: str, backend: str, count: int, wait_s: float, priority: int
+    ) -> tuple[float, int]:
+        queue = self.queues[backend]
+        up = [v for v in self.api.views.values() if v.info.state == "up"]
+        if count > sum(v.capacity(backend) for v in up):
+            raise errors.CapacityExceeded(
+                f"{count} {backend} sandboxes at once is more than the nodes up can ever hold "
+                f"({sum(v.capacity(backend) for v in up)}); ask for fewer or add nodes"
+            )
+        if not any(not w.future.done() for w in queue) and self.free(backend) >= count:
+            self.reserved[backend] += count
+            return 0.0, 0
+        limit = self.settings.queue_per_tenant
+        if self.queued[tenant] + count > limit:
+            raise errors.QueueFull(
+                f"tenant {tenant} has {self.queued[tenant]} sandboxes waiting for room (at most "
+                f"{limit}); retry when some are created, or ask for fewer at once"
+            )
+        waiter = _Waiter(
+            (-priority, next(self._arrivals)), tenant, count, priority,
+            asyncio.get_running_loop().create_future(),
+        )  # fmt: skip
+        heapq.heappush(queue, waiter)
+        position = sum(1 for w in queue if not w.future.done())
+        self.queued[tenant] += count
+        started = time.monotonic()
+        try:
+            self.pump(backend)
+            await asyncio.wait_for(asyncio.shield(waiter.future), wait_s)
+        except TimeoutError:
+            if waiter.future.done():  # admitted as the wait ran out: take it
+                return time.monotonic() - started, position
+            waiter.future.cancel()
+            free = max(0, self.free(backend))
+            raise errors.CapacityExceeded(
+                f"no room for {count} {backend} sandboxes after {wait_s:g} s in the queue "
+                f"(position {position} on arrival; {free} free now); retry later or add nodes"
+            ) from None
+        finally:
+            self.queued[tenant] -= count
+        return time.monotonic() - started, position
+
+    def pump(self, backend: str | None = None) -> None:
+        """Admit from the heads of the queues while they fit; preempt for a head that does
+        not. Called whenever room may have changed (heartbeats, creates, destroys)."""
+        for name in [backend] if backend else list(self.queues):
+            queue = self.queues.get(name, [])
+            while queue:
+                head = queue[0]
+                if head.future.done():
+                    heapq.heappop(queue)
+                    continue
+                if self.free(name) < head.count:
+                    self._preempt(name, head)
+                    break
+                heapq.heappop(queue)
+                self.reserved[name] += head.count
+                head.future.set_result(None)
+
+    # -- priorities --------------------------------------------------------------------------
+
+    def _preempt(self, backend: str, head: _Waiter) -> None:
+        """Pause lower-priority running sandboxes so that ``head`` fits (at most every 2 s
+        per request: the pauses show in the next heartbeats)."""
+        now = time.monotonic()
+        if head.priority <= 0 or now - head.preempted_at < 2.0:
+            return
+        head.preempted_at = now
+        need = head.count - max(0, self.free(backend))
+        victims = self._victims(backend, head.priority)[:need]
+        if not victims:
+            return
+        log.info(
+            "pausing %d sandbox(es) of lower priority for a priority-%d request",
+            len(victims), head.priority,
+        )  # fmt: skip
+        groups: dict[str, list[str]] = defaultdict(list)
+        for info in victims:
+            groups[info.node].append(info.id)
+        task = asyncio.ensure_future(self.api.power("pause", groups, "priority"))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _victims(self, backend: str, priority: int) -> list[SandboxInfo]:
+        """Running sandboxes of jobs below ``priority``, lowest priority first, sparing
+        those near their end."""
+        end = time.time() + self.settings.protect_s
+        found: list[tuple[int, float, SandboxInfo]] = []
+        for info, _ in self.api.sandboxes.items.values():
+            if info.state != "ready" or info.backend != backend or not info.job or info.in_pool:
+                continue
+            if info.expires_at is not None and info.expires_at < end:
+                continue
+            job = self.api.leases.job(info.tenant, info.job)
+            p = job.priority if job else 0
+            if p < priority:
+                found.append((p, -info.created_at, info))
+        found.sort(key=lambda x: (x[0], x[1]))
+        return [info for _, _, info in found]
+
+    async def rebalance(self) -> None:
+        """Resume priority-paused sandboxes, highest priority first, where room is back and
+        nothing waits."""
+        waiting = {b for b, q in self.queues.items() if any(not w.future.done() for w in q)}
+        paused: dict[str, list[tuple[int, SandboxInfo]]] = defaultdict(list)
+        for info, _ in self.api.sandboxes.items.values():
+            if info.state == "paused" and info.paused_reason == "priority":
+                job = self.api.leases.job(info.tenant, info.job) if info.job else None
+                paused[info.backend].append((job.priority if job else 0, info))
+        for backend, items in paused.items():
+            room = self.free(backend)
+            if backend in waiting or room <= 0:
+                continue
+            items.sort(key=lambda x: -x[0])
+            groups: dict[str, list[str]] = defaultdict(list)
+            for _, info in items[:room]:
+                groups[info.node].append(info.id)
+            await self.api.power("resume", groups, "priority")
+
+
+def _add(acc: list[float], n: float, cpus: float, mb: float) -> None:
+    acc[0] += n
+    acc[1] += cpus
+    acc[2] += mb
