@@ -106,6 +106,8 @@ class ApiServer:
         self._by_node: dict[str, set[str]] = defaultdict(set)  # node -> sandbox ids
         self._job_nodes: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
         self._job_of: dict[str, tuple[tuple[str, str], str]] = {}  # id -> ((tenant, job), node)
+        self._by_request: dict[tuple[str, str], set[str]] = defaultdict(set)  # (tenant, rid)
+        self._request_of: dict[str, tuple[str, str]] = {}  # sandbox id -> (tenant, rid)
         self._tasks: list[asyncio.Task[None]] = []
         self._drain: Any = None
         self._mirrors: list[Mirror[Any]] = []
@@ -206,9 +208,16 @@ class ApiServer:
         """Keep the node -> sandboxes and job -> nodes indexes in step with the mirror."""
         self.pools.indexed(sandbox_id, info)
         self.admission.indexed(sandbox_id, info)
+        if info is not None and info.request_id:
+            self._request_of[sandbox_id] = (info.tenant, info.request_id)
+            self._by_request[(info.tenant, info.request_id)].add(sandbox_id)
         if info is None:
             for ids in self._by_node.values():
                 ids.discard(sandbox_id)
+            if (req := self._request_of.pop(sandbox_id, None)) is not None:
+                self._by_request[req].discard(sandbox_id)
+                if not self._by_request[req]:
+                    del self._by_request[req]
             if (old := self._job_of.pop(sandbox_id, None)) is not None:
                 self._job_nodes[old[0]][old[1]] -= 1
             return
@@ -343,6 +352,8 @@ class ApiServer:
     async def _create(self, req: bus.Request) -> CreateResponse:
         tenant = await self._auth(req)
         r = CreateRequest.model_validate_json(req.data)
+        if r.request_id and (done := self._created_by(tenant, r.request_id)):
+            return CreateResponse(sandboxes=done)  # sent again (a reconnect): not made twice
         self.check_spec(tenant, r.spec)
         job = self.leases.job(tenant, r.spec.job) if r.spec.job else None
         priority = job.priority if job else 0
@@ -382,8 +393,11 @@ class ApiServer:
         if todo:
             await self._rollback(created)
             raise error or errors.Internal("creation failed")
+        extra = {"request_id": r.request_id} if r.request_id else {}
         if pool is not None:
-            created = [i.model_copy(update={"pool": pool, "in_pool": in_pool}) for i in created]
+            extra |= {"pool": pool, "in_pool": in_pool}
+        if extra:
+            created = [i.model_copy(update=extra) for i in created]
         try:
             revs = await self.state.put_sandboxes(created)  # type: ignore[union-attr]
         except Exception as exc:
@@ -393,6 +407,11 @@ class ApiServer:
             self.sandboxes.items[info.id] = (info, revs[info.id])
             self._indexed(info.id, info)
         return created
+
+    def _created_by(self, tenant: str, request_id: str) -> list[SandboxInfo]:
+        ids = self._by_request.get((tenant, request_id), ())
+        hits = [self.sandboxes.items.get(i) for i in sorted(ids)]
+        return [h[0] for h in hits if h is not None]
 
     def check_spec(self, tenant: str, spec: SandboxSpec) -> None:
         """Raise the typed error a create of ``spec`` would meet before reaching a node."""

@@ -17,6 +17,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import nats
 import nats.errors
@@ -57,25 +58,43 @@ def edge_subject(node: str, op: str) -> str:
     return f"dsec.edge.{node}.v1.{op}"
 
 
-async def connect(url: str, *, name: str, credentials: str | None = None) -> NATS:
-    """Connect to NATS, reconnecting for ever; Unavailable if the first connect fails.
+async def connect(
+    url: str,
+    *,
+    name: str,
+    credentials: str | None = None,
+    disconnected_cb: Callable[[], Awaitable[None]] | None = None,
+    reconnected_cb: Callable[[], Awaitable[None]] | None = None,
+) -> NATS:
+    """Connect to NATS (``url``: one server, or several separated by commas), reconnecting
+    for ever; Unavailable if the first connect fails.
 
     ``credentials`` is a NATS ``.creds`` file for clusters that require one.
     """
+    servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: any of them
+    # credentials as options, not in the URLs: the servers a cluster advertises (and a client
+    # may reconnect to) carry none, and must get the same ones
+    parts = [urlsplit(u) for u in servers]
+    auth = {"user": parts[0].username, "password": parts[0].password} if parts[0].username else {}
+    servers = [p._replace(netloc=p.netloc.rpartition("@")[2]).geturl() for p in parts]
     try:
         return await nats.connect(
-            url,
+            servers,
+            **auth,
             name=name,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             connect_timeout=5,
             allow_reconnect=True,
             user_credentials=credentials,
+            disconnected_cb=disconnected_cb,
+            reconnected_cb=reconnected_cb,
             pending_size=64 << 20,
         )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
+        where = ", ".join(servers)
         raise errors.Unavailable(
-            f"cannot reach NATS at {url}: {exc or type(exc).__name__}; "
+            f"cannot reach NATS at {where}: {exc or type(exc).__name__}; "
             "is `dsec up` running, or is --nats-url / DSEC_URL right?"
         ) from None
 

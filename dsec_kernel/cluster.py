@@ -1,8 +1,10 @@
-"""Running DSec on this machine: what ``dsec up``, the tests and the benchmarks share.
+"""Running DSec on this machine: what ``dsec up``, ``dsec cluster-up``, the tests and the
+benchmarks share.
 
-:class:`LocalCluster` starts a real nats-server (JetStream, free port), apiservers and edges,
-each its own process, and can kill and restart any of them. Third-party plugins can use it to
-test against a real platform.
+:class:`LocalCluster` starts a real nats-server (JetStream, free port) or a cluster of them,
+apiservers and edges, each its own process, and can kill and restart any of them; with
+``netns`` each edge runs in its own network namespace, as if on its own machine. Third-party
+plugins can use it to test against a real platform.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from pathlib import Path
 
 from dsec_kernel import bus, errors
 from dsec_kernel.connection import Connection
+from dsec_kernel.natscluster import NatsCluster
 from dsec_kernel.natsserver import NatsServer
+from dsec_kernel.nodenet import NodeNetwork
 from dsec_kernel.procs import die_with_parent, stop_process
 from dsec_kernel.sdk import AsyncClient
 from dsec_kernel.state import ClusterState, token_key
@@ -134,16 +138,33 @@ async def wait_ready(
 
 
 class LocalCluster:
-    """nats-server + apiservers + edges on this machine, each a process.
+    """nats-server(s) + apiservers + edges on this machine, each a process.
 
     ``env`` adds ``DSEC_*`` settings for every service (e.g. fncall pool size).
+    ``nats_servers`` > 1 makes a NATS cluster with KV and streams replicated on up to three
+    of them. ``netns`` puts each edge in a network namespace of its own, reaching NATS over a
+    bridge (the servers listen on the bridge's address).
     """
 
-    def __init__(self, state_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        env: dict[str, str] | None = None,
+        *,
+        nats_servers: int = 1,
+        netns: bool = False,
+    ) -> None:
         self.state_dir = Path(state_dir)
         self.logs = self.state_dir / "logs"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.nats = NatsServer(self.state_dir / "nats")
+        self.network = NodeNetwork(self.state_dir / "netns") if netns else None
+        host = self.network.host if self.network else "127.0.0.1"
+        self.nats: NatsServer | NatsCluster
+        if nats_servers > 1:
+            self.nats = NatsCluster(self.state_dir / "nats", nats_servers, host)
+            self.env.setdefault("DSEC_KV_REPLICAS", str(min(3, nats_servers)))
+        else:
+            self.nats = NatsServer(self.state_dir / "nats", host=host)
         self.apiservers: list[Child] = []
         self.edges: dict[str, Child] = {}
         self.started: dict[str, float] = {}
@@ -162,6 +183,8 @@ class LocalCluster:
 
     def start_nats(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
+        if self.network is not None and not self.network.started:
+            self.network.start()
         self.nats.start()
         self.env["DSEC_NATS_URL"] = self.nats.service_url
 
@@ -180,6 +203,8 @@ class LocalCluster:
         argv = [*_DSEC, "edge", "--node", node, "--state-dir", str(self.state_dir / "nodes" / node)]
         if backends:
             argv += ["--backends", ",".join(backends)]
+        if self.network is not None:
+            argv = self.network.wrap(node, argv)
         child = Child(f"edge {node}", [*argv, *args], self.logs / f"edge-{node}.log", self.env)
         self.edges[node] = child
         self.started[node] = time.time()
@@ -202,6 +227,8 @@ class LocalCluster:
         for child in [*self.edges.values(), *self.apiservers]:
             child.stop()
         self.nats.stop()
+        if self.network is not None:
+            self.network.close()
 
     def __enter__(self) -> LocalCluster:
         return self

@@ -135,7 +135,7 @@ class ScoredPolicy(PlacementPolicy):
                 f"no room for {request.count} {backend} sandboxes: "
                 f"{sum(free.values())} free on {len(cands)} node(s); retry later or add nodes"
             )
-        cands = self._burst(request, cands, free)
+        cands = self._burst(request, nodes, cands, free)
         refs = [ref for _, ref in request.spec.env.refs()] if request.spec.env else []
         bonus = {n.name: self._bonus(request, n, refs) for n in cands}
         counts = dict(request.job_counts)
@@ -165,16 +165,22 @@ class ScoredPolicy(PlacementPolicy):
         return bonus
 
     def _burst(
-        self, request: PlacementRequest, cands: list[NodeView], free: dict[str, int]
+        self,
+        request: PlacementRequest,
+        nodes: list[NodeView],
+        cands: list[NodeView],
+        free: dict[str, int],
     ) -> list[NodeView]:
-        """The nodes this request may use: the burst pool's only past the threshold."""
+        """The nodes this request may use: the burst pool's only once the other pools
+        (all their nodes that are up, full ones too) are past the threshold."""
         backend = request.spec.backend
         burst = [n for n in cands if n.info.pool == self.config.burst_pool]
         home = [n for n in cands if n.info.pool != self.config.burst_pool]
         if not burst or not home:
             return cands
-        cap = sum(n.capacity(backend) for n in home)
-        fill = sum(n.used(backend) for n in home) / cap if cap else 1.0
+        pools = [n for n in nodes if n.info.state == "up" and n.info.pool != self.config.burst_pool]
+        cap = sum(n.capacity(backend) for n in pools)
+        fill = sum(n.used(backend) for n in pools) / cap if cap else 1.0
         if fill >= self.config.burst_threshold:
             room = sum(free[n.name] for n in burst)
             return burst if room >= request.count else cands

@@ -99,16 +99,27 @@ class Mirror(Generic[T]):
             elif meta.num_pending == 0:
                 self._loaded.set()
 
-        self._sub = await self.js.subscribe(
-            f"{self._prefix}>",
-            cb=on_msg,
-            ordered_consumer=True,
-            deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
-            inactive_threshold=300,
-            pending_msgs_limit=-1,
-            pending_bytes_limit=-1,
-        )
-        info = await self._sub.consumer_info()
+        deadline = time.monotonic() + 30.0  # a JetStream cluster may still be electing leaders
+        while True:
+            try:
+                self._sub = await self.js.subscribe(
+                    f"{self._prefix}>",
+                    cb=on_msg,
+                    ordered_consumer=True,
+                    deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+                    inactive_threshold=300,
+                    pending_msgs_limit=-1,
+                    pending_bytes_limit=-1,
+                )
+                info = await self._sub.consumer_info()
+                break
+            except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError):
+                await self.stop()
+                if time.monotonic() > deadline:
+                    raise errors.Unavailable(
+                        f"JetStream does not serve the {self.bucket} bucket (no quorum?)"
+                    ) from None
+                await asyncio.sleep(0.5)
         # empty only if the server has nothing pending *and* sent nothing yet (messages it
         # already sent may still be on their way to the callback)
         sent = info.delivered.consumer_seq if info.delivered else 0
@@ -146,8 +157,25 @@ class ClusterState:
         self.quotas = kvs[QUOTAS]
 
     @classmethod
-    async def open(cls, nc: NATS, *, replicas: int = 1, create: bool = True) -> ClusterState:
-        """Bind the buckets, creating missing ones when ``create`` (needs JetStream)."""
+    async def open(
+        cls, nc: NATS, *, replicas: int = 1, create: bool = True, wait_s: float = 30.0
+    ) -> ClusterState:
+        """Bind the buckets, creating missing ones when ``create`` (needs JetStream). A
+        JetStream cluster still electing its leader is waited for, up to ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return await cls._open(nc, replicas, create)
+            except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as exc:
+                if time.monotonic() > deadline:
+                    raise errors.Unavailable(
+                        f"JetStream did not answer within {wait_s:g} s ({exc!r}); is nats-server "
+                        "running with -js, and does its cluster have a quorum?"
+                    ) from None
+                await asyncio.sleep(0.5)
+
+    @classmethod
+    async def _open(cls, nc: NATS, replicas: int, create: bool) -> ClusterState:
         js = nc.jetstream(timeout=10)
         kvs: dict[str, KeyValue] = {}
         for bucket in BUCKETS:
@@ -167,10 +195,6 @@ class ClusterState:
                     )
                 except nats.js.errors.BadRequestError:  # another process created it meanwhile
                     kvs[bucket] = await js.key_value(bucket)
-            except nats.js.errors.ServiceUnavailableError:
-                raise errors.Unavailable(
-                    "JetStream is not enabled on this NATS server; start nats-server with -js"
-                ) from None
         if create:
             await ensure_stream(js, replicas)
         return cls(js, kvs)
@@ -223,14 +247,32 @@ class ClusterState:
 
     async def put_sandboxes(self, infos: list[SandboxInfo]) -> dict[str, int]:
         """Store many records at once (pipelined publishes); returns id -> revision."""
-        futures = [
-            await self.js.publish_async(
-                f"$KV.{SANDBOXES}.{info.id}", info.model_dump_json().encode()
-            )
-            for info in infos
-        ]
-        acks = await asyncio.gather(*futures)
-        return {info.id: ack.seq for info, ack in zip(infos, acks, strict=True)}
+        msgs = [(f"$KV.{SANDBOXES}.{i.id}", i.model_dump_json().encode(), None) for i in infos]
+        seqs = await self._publish_all(msgs)
+        return {info.id: seq for info, seq in zip(infos, seqs, strict=True)}
+
+    async def _publish_all(
+        self, msgs: list[tuple[str, bytes, dict[str, str] | None]], timeout: float = 10.0
+    ) -> list[int]:
+        """Publish to JetStream pipelined; returns the sequence numbers. Acks that do not come
+        within ``timeout`` (a stream's leader was lost and another is being elected) are
+        given up and those messages published again one by one; Unavailable if that fails."""
+        if not msgs:
+            return []
+        futures = [await self.js.publish_async(s, d, headers=h) for s, d, h in msgs]
+        await asyncio.wait(futures, timeout=timeout)
+        seqs: list[int] = []
+        for (subject, data, headers), fut in zip(msgs, futures, strict=True):
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                seqs.append(fut.result().seq)
+                continue
+            fut.cancel()
+            try:
+                ack = await self.js.publish(subject, data, timeout=timeout, headers=headers)
+            except (nats.errors.Error, TimeoutError) as exc:
+                raise errors.Unavailable(f"JetStream did not take a write: {exc!r}") from None
+            seqs.append(ack.seq)
+        return seqs
 
     async def get_sandbox(self, sandbox_id: str) -> tuple[SandboxInfo, int] | None:
         try:
@@ -263,13 +305,8 @@ class ClusterState:
         raise errors.Conflict(f"sandbox {sandbox_id} keeps changing; try again")
 
     async def delete_sandboxes(self, ids: list[str]) -> None:
-        futures = [
-            await self.js.publish_async(
-                f"$KV.{SANDBOXES}.{i}", b"", headers={"KV-Operation": "DEL"}
-            )
-            for i in ids
-        ]
-        await asyncio.gather(*futures)
+        dele = {"KV-Operation": "DEL"}
+        await self._publish_all([(f"$KV.{SANDBOXES}.{i}", b"", dele) for i in ids])
 
     async def scan_sandboxes(self, node: str | None = None) -> dict[str, tuple[SandboxInfo, int]]:
         """Every sandbox record (of ``node`` only, when given), read with a one-off watch."""

@@ -120,3 +120,6 @@ def test_the_cloud_pool_takes_sandboxes_only_past_the_threshold():
     placed = Counter(policy.place(request(20), [node("p1", cap=20, used=10), cloud]))
     assert placed["c1"] >= 10  # at least what on-prem has no room for
     assert set(BinPack(HOOKS).place(request(5), [node("p1", used=10), cloud])) == {"p1"}
+    # full nodes count towards the fill too: 17 of 20 on-prem is past 80 %
+    full_and_busy = [node("p1", cap=10, used=10), node("p2", cap=10, used=7), cloud]
+    assert set(policy.place(request(2), full_and_busy)) == {"c1"}

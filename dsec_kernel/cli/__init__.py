@@ -33,6 +33,19 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--backends", type=_csv, help="backends to run (default: all that can)")
     s.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...: run CMD, then stop")
 
+    s = sub.add_parser(
+        "cluster-up",
+        help="run a real cluster on this machine: a NATS cluster, apiservers, and edges each in "
+        "its own network namespace",
+    )
+    s.add_argument("--state-dir", type=Path, help="where state, logs and the connection file go")
+    s.add_argument("--nats-servers", type=int, default=3, help="NATS servers (default 3)")
+    s.add_argument("--apiservers", type=int, default=2, help="apiservers (default 2)")
+    s.add_argument("--edges", type=int, default=4, help="edges, nodes n1..nN (default 4)")
+    s.add_argument("--cloud", type=int, default=0, help="of them, how many in pool cloud")
+    s.add_argument("--backends", type=_csv, help="backends to run (default: all that can)")
+    s.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...: run CMD, then stop")
+
     s = sub.add_parser("apiserver", help="run an apiserver against an existing NATS")
     s.add_argument("--nats-url")
     s.add_argument("--placement", help="placement policy (default least-loaded)")
@@ -303,6 +316,14 @@ def main(argv: list[str] | None = None) -> int:
 
             command = args.command[1:] if args.command[:1] == ["--"] else args.command
             return up(args.state_dir, args.port, args.node, args.backends, command)
+        if args.cmd == "cluster-up":
+            from dsec_kernel.cli.up import cluster_up
+
+            command = args.command[1:] if args.command[:1] == ["--"] else args.command
+            return cluster_up(
+                args.state_dir, args.nats_servers, args.apiservers, args.edges, args.cloud,
+                args.backends, command,
+            )  # fmt: skip
         if args.cmd == "apiserver":
             from dsec_kernel.cli.services import run_apiserver
 

@@ -50,7 +50,8 @@ async def _apiserver(settings: ApiSettings, stop: asyncio.Event) -> None:
     server = ApiServer(nc, settings, hooks, policy_cls(hooks, settings.placement_config))
     try:
         await server.start()
-        log.info("apiserver ready on %s (placement %s)", settings.nats_url, settings.placement)
+        where = ", ".join(u.rpartition("@")[2] for u in settings.nats_url.split(","))
+        log.info("apiserver ready on %s (placement %s)", where, settings.placement)
         await stop.wait()
     finally:
         await server.stop()

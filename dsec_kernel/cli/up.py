@@ -1,8 +1,11 @@
-"""``dsec up``: the single-machine default in one command.
+"""``dsec up``: the single-machine default in one command; ``dsec cluster-up``: a real
+cluster on one machine.
 
-Starts an embedded nats-server with JetStream, one apiserver and one edge (each its own
-process), writes the connection file, and stops everything on Ctrl-C / SIGTERM — or, given a
-command after ``--``, runs it against the platform and stops when it exits.
+``up`` starts an embedded nats-server with JetStream, one apiserver and one edge (each its
+own process); ``cluster-up`` a NATS cluster (JetStream replicated), several apiservers and
+several edges, each edge in its own network namespace. Both write the connection file, and
+stop everything on Ctrl-C / SIGTERM — or, given a command after ``--``, run it against the
+platform and stop when it exits.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dsec_kernel import errors
@@ -21,11 +25,11 @@ from dsec_kernel.cluster import LocalCluster, ensure_tenant
 from dsec_kernel.config import default_node_name, default_state_dir
 from dsec_kernel.connection import Connection, connection_file, write_connection
 
-__all__ = ["up"]
+__all__ = ["cluster_up", "up"]
 
 
 def _say(msg: str) -> None:
-    print(f"dsec up: {msg}", file=sys.stderr, flush=True)
+    print(f"dsec: {msg}", file=sys.stderr, flush=True)
 
 
 def _old_token(path: Path) -> str | None:
@@ -43,8 +47,62 @@ def up(
     command: list[str],
     ready_timeout: float = 90.0,
 ) -> int:
+    """One nats-server, one apiserver, one edge."""
     state_dir = (state_dir or default_state_dir()).resolve()
     node = node or default_node_name()
+    cluster = LocalCluster(state_dir, {"DSEC_STATE_DIR": str(state_dir)})
+    cluster.nats.port = port  # type: ignore[union-attr]
+
+    def start() -> str:
+        cluster.start_apiserver()
+        cluster.start_edge(node, backends)
+        return f"node {node!r}"
+
+    return _run(cluster, state_dir, start, command, ready_timeout)
+
+
+def cluster_up(
+    state_dir: Path | None,
+    nats_servers: int,
+    apiservers: int,
+    edges: int,
+    cloud: int,
+    backends: list[str] | None,
+    command: list[str],
+    ready_timeout: float = 180.0,
+) -> int:
+    """A NATS cluster, several apiservers, and edges each in its own network namespace (the
+    last ``cloud`` of them in node pool ``cloud``)."""
+    state_dir = (state_dir or default_state_dir()).resolve()
+    if not 0 <= cloud <= edges:
+        raise errors.InvalidArgument(f"--cloud {cloud}: between 0 and --edges ({edges})")
+    cluster = LocalCluster(
+        state_dir, {"DSEC_STATE_DIR": str(state_dir)}, nats_servers=nats_servers, netns=True
+    )
+
+    def start() -> str:
+        for _ in range(apiservers):
+            cluster.start_apiserver()
+        for i in range(1, edges + 1):
+            pool = ["--pool", "cloud"] if i > edges - cloud else []
+            cluster.start_edge(f"n{i}", backends, *pool)
+        return (
+            f"{nats_servers} NATS server(s), {apiservers} apiserver(s), nodes n1..n{edges} "
+            f"({cloud} in pool cloud), each in its own network namespace"
+        )
+
+    return _run(cluster, state_dir, start, command, ready_timeout)
+
+
+def _run(
+    cluster: LocalCluster,
+    state_dir: Path,
+    start: Callable[[], str],
+    command: list[str],
+    ready_timeout: float,
+) -> int:
+    """Start ``cluster``, write the connection file, then run ``command`` against it (or wait
+    for Ctrl-C / SIGTERM), and stop everything."""
     stop_requested = False
 
     def on_signal(_signum: int, _frame: object) -> None:
@@ -52,8 +110,6 @@ def up(
         stop_requested = True
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    cluster = LocalCluster(state_dir, {"DSEC_STATE_DIR": str(state_dir)})
-    cluster.nats.port = port
     try:
         cluster.start_nats()
         conn_path = connection_file(state_dir)
@@ -61,13 +117,12 @@ def up(
             ensure_tenant(cluster.url, "default", _old_token(conn_path), cluster.nats.client_url)
         )
         cluster.conn = conn
-        cluster.start_apiserver()
-        cluster.start_edge(node, backends)
-        _say(f"starting on NATS 127.0.0.1:{cluster.nats.port} ...")
+        what = start()
+        _say(f"starting {what} ...")
         asyncio.run(cluster.ready(ready_timeout))
         write_connection(conn_path, conn)
         write_connection(state_dir / "service.json", Connection(cluster.url, "", "operator"))
-        _say(f"ready: tenant {conn.tenant!r}, node {node!r}; logs in {cluster.logs}")
+        _say(f"ready: tenant {conn.tenant!r}; logs in {cluster.logs}")
         _say(f"connection file {conn_path}")
         if state_dir != default_state_dir().resolve():
             _say(f"other shells: export DSEC_STATE_DIR={state_dir}")

@@ -278,8 +278,20 @@ class AsyncClient:
     async def connect(self) -> AsyncClient:
         conn = resolve(self._url, self._token)
         self._headers = {bus.TOKEN_HEADER: conn.token}
-        self._nc = await bus.connect(conn.url, name=self._name)
+        self._lost = asyncio.Event()
+        self._back = asyncio.Event()
+        self._nc = await bus.connect(
+            conn.url, name=self._name, disconnected_cb=self._on_lost, reconnected_cb=self._on_back
+        )
         return self
+
+    async def _on_lost(self) -> None:
+        self._back.clear()
+        self._lost.set()
+
+    async def _on_back(self) -> None:
+        self._lost.clear()
+        self._back.set()
 
     async def close(self) -> None:
         if self._nc is not None:
@@ -293,16 +305,30 @@ class AsyncClient:
         await self.close()
 
     async def _call(self, op: str, msg: Message, reply: type[M], timeout: float | None = None) -> M:
+        """Send a request; if the connection to NATS drops meanwhile (the request or its
+        answer may be lost with it), send it again once reconnected. Every request is safe to
+        repeat: reads, idempotent changes, and creates and commands by their request id."""
         if self._nc is None:
             raise errors.Unavailable("the client is not connected; use `async with` or connect()")
-        return await bus.request(
-            self._nc,
-            bus.api_subject(op),
-            msg,
-            reply,
-            timeout=timeout or self.timeout,
-            headers=self._headers,
-        )
+        for _ in range(3):
+            lost = asyncio.ensure_future(self._lost.wait())
+            send = bus.request(
+                self._nc, bus.api_subject(op), msg, reply,
+                timeout=timeout or self.timeout, headers=self._headers,
+            )  # fmt: skip
+            call = asyncio.ensure_future(send)
+            try:
+                await asyncio.wait({call, lost}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                lost.cancel()
+            if call.done():
+                return call.result()
+            call.cancel()
+            try:
+                await asyncio.wait_for(self._back.wait(), timeout or self.timeout)
+            except TimeoutError:
+                break
+        raise errors.Unavailable(f"lost the connection to NATS during {op}; it did not come back")
 
     # -- sandboxes ---------------------------------------------------------------------------
 
@@ -362,7 +388,9 @@ class AsyncClient:
         async def one(n: int) -> list[Sandbox]:
             nonlocal done
             async with slots:
-                req = _model(CreateRequest, spec=spec, count=n, wait_s=wait)
+                req = _model(
+                    CreateRequest, spec=spec, count=n, wait_s=wait, request_id=uuid.uuid4().hex
+                )
                 resp = await self._call("create", req, CreateResponse, self.timeout * 2 + wait)
             done += n
             if progress is not None:

@@ -120,6 +120,7 @@ class SandboxInfo(BaseModel):
     spec: SandboxSpec | None = Field(None, description="what it was created from")
     pool: str | None = Field(None, description="the warm pool it belongs to")
     in_pool: bool = Field(False, description="idle in its pool, not acquired")
+    request_id: str | None = Field(None, description="the create request that made it")
 
 
 class Failure(BaseModel):
@@ -143,6 +144,11 @@ class CreateRequest(Message):
     spec: SandboxSpec
     count: int = Field(1, ge=1, le=MAX_BATCH)
     wait_s: float = Field(30.0, ge=0, le=600, description="longest wait in the admission queue")
+    request_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="the caller's id for this create: sent again, the same sandboxes come back",
+    )
 
 
 class CreateResponse(Message):

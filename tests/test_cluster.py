@@ -1,0 +1,143 @@
+"""A real cluster on one machine: 3 NATS servers (JetStream replicated), 2 apiservers and 4
+edges, each edge in its own network namespace (n4 in pool ``cloud``). It survives losing a
+NATS server and an apiserver; a killed edge's sandboxes are reported lost and rebuilt
+elsewhere by the SDK's recovery helper; restarting everything keeps the state."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from collections import Counter
+
+import pytest
+import pytest_asyncio
+from dsec_backend_container.backend import ContainerBackend
+from dsec_storage_3fs.images import busybox_tree, ensure_layer
+
+import dsec_kernel as dsec
+from dsec_kernel.cluster import LocalCluster
+from dsec_kernel.storage import open_store
+
+REASON = ContainerBackend.unavailable_reason() or (
+    None if shutil.which("nsenter") and shutil.which("unshare") else "no nsenter/unshare"
+)
+pytestmark = [
+    pytest.mark.skipif(bool(REASON), reason=f"cannot run a container cluster here: {REASON}"),
+    pytest.mark.asyncio(loop_scope="module"),
+]
+BUSYBOX = dsec.Env(base="busybox:1")
+NODES = ("n1", "n2", "n3", "n4")
+
+
+def _start_edge(cluster: LocalCluster, node: str) -> None:
+    pool = ["--pool", "cloud"] if node == "n4" else []
+    cluster.start_edge(node, ["container"], "--heartbeat", "0.3", *pool)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cluster")
+    root = str(tmp / "store")
+    ensure_layer(open_store("3fs", {"root": root, "cache_dir": str(tmp / "cache")}),
+                 "base", "busybox", "1", busybox_tree)  # fmt: skip
+    env = {"DSEC_STORAGE_CONFIG__ROOT": root, "DSEC_BACKEND_CONFIG__CONTAINER__MAX_SANDBOXES": "4"}
+    c = LocalCluster(tmp / "c", env, nats_servers=3, netns=True)
+    try:
+        c.start_nats()
+        for _ in range(2):
+            c.start_apiserver("--node-timeout", "2")
+        for node in NODES:
+            _start_edge(c, node)
+        await c.ready(120)
+        yield c
+    finally:
+        c.stop()
+
+
+async def _until(fn, timeout: float = 30.0) -> None:
+    for _ in range(int(timeout * 10)):
+        if await fn():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("condition not met in time")
+
+
+async def test_each_edge_is_a_node_of_its_own_and_bursts_go_to_the_cloud_pool(cluster):
+    mine = os.readlink("/proc/self/ns/net")
+    nets = {os.readlink(f"/proc/{cluster.edges[n].proc.pid}/ns/net") for n in NODES}
+    assert len(nets) == 4 and mine not in nets
+    async with cluster.client() as c:
+        assert {n.node: n.pool for n in await c.nodes()} == {
+            "n1": "default", "n2": "default", "n3": "default", "n4": "cloud"
+        }  # fmt: skip
+        # on-prem holds 12; past 80 % full (10) new sandboxes go to the cloud pool
+        first = await c.create(count=9, backend="container", env=BUSYBOX)
+        assert set(Counter(sb.node for sb in first)) == {"n1", "n2", "n3"}
+        tenth = await c.create(backend="container", env=BUSYBOX)
+        assert tenth[0].node != "n4"
+        await asyncio.sleep(0.8)  # heartbeats carry the new load
+        burst = await c.create(count=2, backend="container", env=BUSYBOX)
+        assert {sb.node for sb in burst} == {"n4"}
+        r = await c.exec_many(first + tenth + burst, "echo ok")
+        assert {x.stdout for x in r} == {b"ok\n"}
+        await c.destroy(first + tenth + burst)
+
+
+async def test_work_goes_on_without_a_nats_server_and_an_apiserver(cluster):
+    async with cluster.client() as c:
+        sbs = await c.create(count=4, backend="container", env=BUSYBOX)
+        cluster.nats.servers[1].stop()
+        cluster.apiservers[0].kill()
+        more = await c.create(count=2, backend="container", env=BUSYBOX)
+        r = await c.exec_many(sbs + more, "echo still")
+        assert {x.stdout for x in r} == {b"still\n"}
+        assert {sb.id for sb in await c.list()} == {sb.id for sb in sbs + more}
+        cluster.nats.servers[1].start()  # both come back for the next tests
+        cluster.apiservers[0] = cluster.start_apiserver("--node-timeout", "2")
+        cluster.apiservers.pop()
+        await cluster.ready(60)
+        await c.destroy(sbs + more)
+
+
+async def test_a_killed_node_loses_its_sandboxes_and_recover_rebuilds_them(cluster):
+    async with cluster.client() as c:
+        sbs = await c.create(count=4, backend="container", env=BUSYBOX)
+        for sb in sbs:
+            await sb.exec(f"echo {sb.id} > /tmp/who")
+            await sb.snapshot()
+            await sb.exec("echo after >> /tmp/who")
+        victim = sbs[0].node
+        cluster.edges[victim].kill()
+        on_victim = [sb for sb in sbs if sb.node == victim]
+        await _until(lambda: _all_lost(on_victim))
+        rebuilt = [await c.recover(sb) for sb in on_victim]
+        for old, new in zip(on_victim, rebuilt, strict=True):
+            assert new.node != victim
+            assert (await new.read_file("/tmp/who")) == f"{old.id}\nafter\n".encode()
+        _start_edge(cluster, victim)  # the node comes back: its edge clears what was left
+        await cluster.ready(60)
+        await c.destroy([sb for sb in sbs if sb.node != victim] + rebuilt)
+
+
+async def _all_lost(sbs) -> bool:
+    return [(await sb.status()).state for sb in sbs] == ["lost"] * len(sbs)
+
+
+async def test_restarting_everything_keeps_the_state(cluster):
+    async with cluster.client() as c:
+        sbs = await c.create(count=3, backend="container", env=BUSYBOX)
+        await c.exec_many(sbs, "echo kept > /tmp/k")
+    cluster.stop()  # every process, and the network
+    cluster.start_nats()
+    for i in range(2):
+        cluster.apiservers[i] = cluster.start_apiserver("--node-timeout", "2")
+    del cluster.apiservers[2:]
+    for node in NODES:
+        _start_edge(cluster, node)
+    await cluster.ready(120)
+    async with cluster.client() as c:
+        assert {sb.id for sb in await c.list()} == {sb.id for sb in sbs}
+        r = await c.exec_many(sbs, "cat /tmp/k")
+        assert {x.stdout for x in r} == {b"kept\n"}
+        await c.destroy(sbs)
