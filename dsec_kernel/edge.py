@@ -134,6 +134,7 @@ class Edge:
         self._counts: Counter[str] = Counter()
         self._born: dict[str, float] = {}  # sandbox id -> when this edge created it (monotonic)
         self.paused: dict[str, str] = {}  # sandbox id -> why (a PAUSE_REASONS value)
+        self._reclaimed: dict[str, int] = {}  # paused sandbox id -> bytes its pause gave back
         self._busy: Counter[str] = Counter()  # sandbox id -> commands running in it
         self._used: dict[str, float] = {}  # sandbox id -> last command's end (monotonic)
         self._layers: OrderedDict[str, None] = OrderedDict()  # layers used here, newest last
@@ -234,6 +235,7 @@ class Edge:
     def _remove(self, sandbox_id: str) -> None:
         self._born.pop(sandbox_id, None)
         self.paused.pop(sandbox_id, None)
+        self._reclaimed.pop(sandbox_id, None)
         self._used.pop(sandbox_id, None)
         info = self.sandboxes.pop(sandbox_id, None)
         if info is not None:
@@ -260,6 +262,7 @@ class Edge:
             load=NodeLoad(
                 sandboxes=len(self.sandboxes),
                 paused=len(self.paused),
+                reclaimed_mb=sum(self._reclaimed.values()) >> 20,
                 paused_by_backend=dict(
                     Counter(self.sandboxes[i].backend for i in self.paused if i in self.sandboxes)
                 ),
@@ -572,6 +575,7 @@ class Edge:
         except BaseException:
             self.paused.pop(sandbox_id, None)
             raise
+        self._reclaimed[sandbox_id] = max(0, report.memory_before_bytes - report.memory_after_bytes)
         await self._record(sandbox_id, "paused", reason)
         return report
 
@@ -584,6 +588,7 @@ class Edge:
             return PauseReport(sandbox_id=sandbox_id, state="paused")
         report = await backend.resume(SandboxRef(sandbox_id=sandbox_id))
         self.paused.pop(sandbox_id, None)
+        self._reclaimed.pop(sandbox_id, None)
         self._used[sandbox_id] = time.monotonic()
         await self._record(sandbox_id, "ready", None)
         return report

@@ -57,6 +57,7 @@ class NodeLoad(BaseModel):
     paused: int = Field(0, description="of them, paused (frozen, memory reclaimed)")
     by_backend: dict[str, int] = Field(default_factory=dict)
     paused_by_backend: dict[str, int] = Field(default_factory=dict)
+    reclaimed_mb: int = Field(0, description="memory the paused sandboxes gave back")
     running_execs: int = 0
     cpu_load: float = Field(0.0, description="1-minute load average divided by CPU count")
     mem_available_mb: int = 0
