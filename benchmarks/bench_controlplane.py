@@ -15,20 +15,15 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
+from simcluster import simulated
+
 import dsec_kernel as dsec
 from dsec_kernel import bus
-from dsec_kernel.cluster import Child, ensure_tenant, wait_ready
-from dsec_kernel.natsserver import NatsServer
 from dsec_kernel.state import ClusterState
 from dsec_kernel.wire import SandboxInfo
-
-HERE = Path(__file__).resolve().parent
 
 
 def cpu_seconds(pid: int) -> float:
@@ -94,42 +89,19 @@ def main() -> None:
     ap.add_argument("--sandboxes", type=int, default=20000)
     ap.add_argument("--batch", type=int, default=500)
     args = ap.parse_args()
-    with (
-        tempfile.TemporaryDirectory(prefix="dsec-bench-") as tmp,
-        NatsServer(Path(tmp) / "nats") as nats,
-    ):
-        env = {**os.environ, "DSEC_NATS_URL": nats.service_url}
-        api = Child(
-            "apiserver",
-            [sys.executable, "-m", "dsec_kernel.cli", "apiserver"],
-            Path(tmp) / "apiserver.log",
-            env,
+    with simulated(args.edges) as cluster:
+        nats = cluster.nats
+        assert nats.proc is not None
+        procs = {
+            "apiserver": cluster.api.proc.pid,
+            "edges": cluster.sim.pid,
+            "nats-server": nats.proc.pid,
+            "client": os.getpid(),
+        }
+        token = cluster.conn.token
+        asyncio.run(
+            run(nats.client_url, nats.service_url, token, args.sandboxes, args.batch, procs)
         )
-        sim = subprocess.Popen(
-            [sys.executable, str(HERE / "sim_edges.py"), nats.service_url, str(args.edges)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert sim.stdout.readline().strip() == "ready", "simulated edges did not start"
-            conn = asyncio.run(ensure_tenant(nats.service_url, "bench", client_url=nats.client_url))
-            asyncio.run(wait_ready(conn, [f"sim{i:03d}" for i in range(args.edges)], [api]))
-            procs = {
-                "apiserver": api.proc.pid,
-                "edges": sim.pid,
-                "nats-server": nats.proc.pid,
-                "client": os.getpid(),
-            }
-            asyncio.run(
-                run(
-                    nats.client_url, nats.service_url, conn.token, args.sandboxes, args.batch, procs
-                )
-            )
-        finally:
-            sim.terminate()
-            sim.wait(30)
-            sim.stdout.close()
-            api.stop()
 
 
 if __name__ == "__main__":

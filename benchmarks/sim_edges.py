@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from dsec_kernel import bus
+from dsec_kernel.cli.services import freeze_long_lived
 from dsec_kernel.config import EdgeSettings
 from dsec_kernel.edge import Edge, load_backends
 from dsec_kernel.plugins import Hooks
@@ -40,11 +41,13 @@ async def main(url: str, count: int, prefix: str) -> None:
             await edge.start()
             edges.append(edge)
         print("ready", flush=True)
+        gc_task = asyncio.create_task(freeze_long_lived())  # as each real edge process does
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        gc_task.cancel()
         for edge in edges:
             await edge.stop()
     await nc.drain()

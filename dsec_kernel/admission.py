@@ -22,7 +22,7 @@ import itertools
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -34,9 +34,24 @@ from dsec_kernel.wire import Quota, SandboxInfo, SandboxSpec
 if TYPE_CHECKING:
     from dsec_kernel.apiserver import ApiServer
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "Admitted"]
 
 log = logging.getLogger(__name__)
+
+
+class Admitted:
+    """Room held for an admitted create: ``waited`` seconds in the queue, at ``position`` on
+    arrival. ``placed()`` (idempotent) gives the room back to the admission count."""
+
+    def __init__(self, waited: float, position: int, release: Callable[[], None]) -> None:
+        self.waited = waited
+        self.position = position
+        self._release: Callable[[], None] | None = release
+
+    def placed(self) -> None:
+        if self._release is not None:
+            self._release, release = None, self._release
+            release()
 
 
 @dataclass(order=True)
@@ -64,6 +79,7 @@ class Admission:
         self._charged: dict[str, tuple[str, float, float]] = {}  # id -> (tenant, cpus, mb)
         self._pending: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
         self._tasks: set[asyncio.Task[object]] = set()
+        self._priority_paused: set[str] = set()  # ids paused to make room (see rebalance)
 
     async def start(self) -> Mirror[Quota]:
         assert self.api.state is not None
@@ -81,7 +97,12 @@ class Admission:
         return cpus, float(mb)
 
     def indexed(self, sandbox_id: str, info: SandboxInfo | None) -> None:
-        """Keep each tenant's usage in step with the sandboxes mirror."""
+        """Keep each tenant's usage, and the set of priority-paused sandboxes, in step with
+        the sandboxes mirror."""
+        if info is not None and info.state == "paused" and info.paused_reason == "priority":
+            self._priority_paused.add(sandbox_id)
+        else:
+            self._priority_paused.discard(sandbox_id)
         if info is not None and info.state != "lost":
             if sandbox_id not in self._charged:
                 cpus, mb = self.charge(info.spec)
@@ -120,22 +141,26 @@ class Admission:
     @asynccontextmanager
     async def admitted(
         self, tenant: str, spec: SandboxSpec, count: int, wait_s: float, priority: int
-    ) -> AsyncIterator[tuple[float, int]]:
-        """Hold room for ``count`` sandboxes of ``spec`` while the block creates them;
-        yields (seconds queued, position on arrival)."""
+    ) -> AsyncIterator[Admitted]:
+        """Hold room for ``count`` sandboxes of ``spec`` while the block creates them, until
+        it calls ``placed()`` (placement then counts them on their nodes)."""
         backend = spec.backend
         cpus, mb = self._check_quota(tenant, spec, count)
         pending = (count, cpus * count, mb * count)
         _add(self._pending[tenant], *pending)
         try:
             waited, position = await self._wait(tenant, backend, count, wait_s, priority)
+            held = Admitted(waited, position, lambda: self._unreserve(backend, count))
             try:
-                yield waited, position
+                yield held
             finally:
-                self.reserved[backend] -= count
-                self.pump(backend)
+                held.placed()
         finally:
             _add(self._pending[tenant], *(-x for x in pending))
+
+    def _unreserve(self, backend: str, count: int) -> None:
+        self.reserved[backend] -= count
+        self.pump(backend)
 
     async def _wait(
         self, tenant: str, backend: str, count: int, wait_s: float, priority: int
@@ -241,10 +266,14 @@ class Admission:
     async def rebalance(self) -> None:
         """Resume priority-paused sandboxes, highest priority first, where room is back and
         nothing waits."""
+        if not self._priority_paused:
+            return
         waiting = {b for b, q in self.queues.items() if any(not w.future.done() for w in q)}
         paused: dict[str, list[tuple[int, SandboxInfo]]] = defaultdict(list)
-        for info, _ in self.api.sandboxes.items.values():
-            if info.state == "paused" and info.paused_reason == "priority":
+        for sid in list(self._priority_paused):
+            hit = self.api.sandboxes.items.get(sid)
+            if hit is not None:
+                info = hit[0]
                 job = self.api.leases.job(info.tenant, info.job) if info.job else None
                 paused[info.backend].append((job.priority if job else 0, info))
         for backend, items in paused.items():

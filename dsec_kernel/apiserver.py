@@ -9,14 +9,16 @@ to mark one down (compare-and-set) reports that node's sandboxes lost.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
 import logging
 import math
 import secrets
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -53,6 +55,8 @@ from dsec_kernel.wire import (
     NodesResponse,
     PauseRequest,
     PauseResponse,
+    PrestageRequest,
+    PrestageResponse,
     PublishRequest,
     ReadFileRequest,
     RestoreRequest,
@@ -81,6 +85,7 @@ class _Placed:
     backend: str
     count: int
     done_at: float = math.inf
+    ids: set[str] = field(default_factory=set)
 
 
 def new_sandbox_id() -> str:
@@ -106,8 +111,11 @@ class ApiServer:
         self._by_node: dict[str, set[str]] = defaultdict(set)  # node -> sandbox ids
         self._job_nodes: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
         self._job_of: dict[str, tuple[tuple[str, str], str]] = {}  # id -> ((tenant, job), node)
+        self.job_members: dict[tuple[str, str], set[str]] = defaultdict(set)  # (tenant, job)
         self._by_request: dict[tuple[str, str], set[str]] = defaultdict(set)  # (tenant, rid)
         self._request_of: dict[str, tuple[str, str]] = {}  # sandbox id -> (tenant, rid)
+        self._expiries: list[tuple[float, str]] = []  # heap of (expires_at, sandbox id)
+        self._expiry_of: dict[str, float] = {}  # sandbox id -> the expiry pushed for it
         self._tasks: list[asyncio.Task[None]] = []
         self._drain: Any = None
         self._mirrors: list[Mirror[Any]] = []
@@ -147,6 +155,7 @@ class ApiServer:
             "nodes": self._nodes,
             "publish": self._publish,
             "history": self._history,
+            "prestage": self._prestage,
             "pause": self._power("pause", PauseRequest),
             "resume": self._power("resume", ResumeRequest),
             "job.renew": self.leases.renew,
@@ -208,10 +217,15 @@ class ApiServer:
         """Keep the node -> sandboxes and job -> nodes indexes in step with the mirror."""
         self.pools.indexed(sandbox_id, info)
         self.admission.indexed(sandbox_id, info)
+        expiry = info.expires_at if info is not None else None
+        if expiry is not None and self._expiry_of.get(sandbox_id) != expiry:
+            self._expiry_of[sandbox_id] = expiry
+            heapq.heappush(self._expiries, (expiry, sandbox_id))
         if info is not None and info.request_id:
             self._request_of[sandbox_id] = (info.tenant, info.request_id)
             self._by_request[(info.tenant, info.request_id)].add(sandbox_id)
         if info is None:
+            self._expiry_of.pop(sandbox_id, None)
             for ids in self._by_node.values():
                 ids.discard(sandbox_id)
             if (req := self._request_of.pop(sandbox_id, None)) is not None:
@@ -220,12 +234,16 @@ class ApiServer:
                     del self._by_request[req]
             if (old := self._job_of.pop(sandbox_id, None)) is not None:
                 self._job_nodes[old[0]][old[1]] -= 1
+                self.job_members[old[0]].discard(sandbox_id)
+                if not self.job_members[old[0]]:
+                    del self.job_members[old[0]]
             return
         self._by_node[info.node].add(sandbox_id)
         if info.job and sandbox_id not in self._job_of:
             key = (info.tenant, info.job)
             self._job_of[sandbox_id] = (key, info.node)
             self._job_nodes[key][info.node] += 1
+            self.job_members[key].add(sandbox_id)
 
     # -- nodes -------------------------------------------------------------------------------
 
@@ -357,15 +375,26 @@ class ApiServer:
         self.check_spec(tenant, r.spec)
         job = self.leases.job(tenant, r.spec.job) if r.spec.job else None
         priority = job.priority if job else 0
-        async with self.admission.admitted(tenant, r.spec, r.count, r.wait_s, priority) as (
-            waited,
-            position,
-        ):
-            created = await self.create_sandboxes(tenant, r)
-        return CreateResponse(sandboxes=created, queued_s=waited, queue_position=position)
+        deadline = time.monotonic() + r.wait_s
+        while True:
+            wait = max(0.0, deadline - time.monotonic())
+            async with self.admission.admitted(tenant, r.spec, r.count, wait, priority) as held:
+                try:
+                    created = await self.create_sandboxes(tenant, r, on_placed=held.placed)
+                    break
+                except errors.CapacityExceeded:  # the nodes filled up between admission and
+                    if time.monotonic() >= deadline:  # placement: queue again while time is left
+                        raise
+            await asyncio.sleep(0.05)
+        return CreateResponse(sandboxes=created, queued_s=held.waited, queue_position=held.position)
 
     async def create_sandboxes(
-        self, tenant: str, r: CreateRequest, pool: str | None = None, in_pool: bool = False
+        self,
+        tenant: str,
+        r: CreateRequest,
+        pool: str | None = None,
+        in_pool: bool = False,
+        on_placed: Callable[[], None] | None = None,
     ) -> list[SandboxInfo]:
         """Create and record ``r.count`` sandboxes for ``tenant``: all of them, or none
         (members of warm pool ``pool``, waiting in it with ``in_pool``)."""
@@ -383,7 +412,9 @@ class ApiServer:
         error: errors.DsecError | None = None
         for _attempt in range(3):
             try:
-                created_now, todo, error = await self._place_and_create(tenant, r, todo, excluded)
+                created_now, todo, error = await self._place_and_create(
+                    tenant, r, todo, excluded, on_placed
+                )
             except errors.DsecError as exc:
                 error = exc
                 break
@@ -440,7 +471,12 @@ class ApiServer:
             )
 
     async def _place_and_create(
-        self, tenant: str, r: CreateRequest, todo: list[EdgeSandbox], excluded: set[str]
+        self,
+        tenant: str,
+        r: CreateRequest,
+        todo: list[EdgeSandbox],
+        excluded: set[str],
+        on_placed: Callable[[], None] | None = None,
     ) -> tuple[list[SandboxInfo], list[EdgeSandbox], errors.DsecError | None]:
         """One placement round: returns (created, still to do, last error)."""
         views = [v for n, v in self.views.items() if n not in excluded]
@@ -449,21 +485,27 @@ class ApiServer:
         groups: dict[str, list[EdgeSandbox]] = defaultdict(list)
         for sb, node in zip(todo, nodes, strict=True):
             groups[node].append(sb)
+        entries: dict[str, _Placed] = {}
         for node, items in groups.items():
-            self._placed[node].append(_Placed(r.spec.backend, len(items)))
+            entries[node] = _Placed(r.spec.backend, len(items))
+            self._placed[node].append(entries[node])
             self._recount(node)
+        if on_placed is not None:
+            on_placed()  # the nodes' pending counts hold the room from here
 
         async def one(node: str, items: list[EdgeSandbox]) -> EdgeCreateResponse:
-            placed = self._placed[node][-1]
+            placed = entries[node]
             data = EdgeCreateRequest(sandboxes=items).model_dump_json().encode()
             try:
                 raw = await self._edge(node, "create", data, self.settings.edge_timeout_s)
             except BaseException:
-                placed.count = 0
+                with suppress(ValueError):
+                    self._placed[node].remove(placed)
                 self._recount(node)
                 raise
             resp = EdgeCreateResponse.model_validate_json(raw)
             placed.count, placed.done_at = len(resp.created), resp.completed_at
+            placed.ids = {info.id for info in resp.created}
             self._recount(node)
             return resp
 
@@ -549,22 +591,49 @@ class ApiServer:
             if info.id in gone:
                 self.sandboxes.items.pop(info.id, None)
                 self._indexed(info.id, None)
+                self._left(info)
         self.admission.pump()
         if error is not None:
             raise error
         return done
 
+    def _left(self, info: SandboxInfo) -> None:
+        """Count a destroyed sandbox out of its node's load now, not at the next heartbeat
+        (which then brings the node's own figures), so that queued creates get its room."""
+        view = self.views.get(info.node)
+        if view is None:
+            return
+        for placed in self._placed[info.node]:  # not in a heartbeat yet: counted as pending
+            if info.id in placed.ids:
+                placed.ids.discard(info.id)
+                placed.count -= 1
+                self._recount(info.node)
+                return
+        load = view.info.load
+        load.by_backend[info.backend] = max(0, load.by_backend.get(info.backend, 0) - 1)
+        if info.state == "paused":
+            paused = load.paused_by_backend
+            paused[info.backend] = max(0, paused.get(info.backend, 0) - 1)
+
     async def reap_expired(self) -> None:
-        """Destroy sandboxes past their TTL."""
+        """Destroy sandboxes past their TTL (from a heap of expiries: stale entries, of
+        sandboxes gone or seen twice, are skipped)."""
         now = time.time()
-        expired = [
-            info
-            for info, _ in self.sandboxes.items.values()
-            if info.expires_at is not None and info.expires_at < now
-        ]
+        due: dict[str, SandboxInfo] = {}
+        while self._expiries and self._expiries[0][0] < now:
+            _, sid = heapq.heappop(self._expiries)
+            hit = self.sandboxes.items.get(sid)
+            if hit is not None and hit[0].expires_at is not None and hit[0].expires_at < now:
+                due[sid] = hit[0]
+        expired = list(due.values())
         if expired:
             log.info("destroying %d sandbox(es) past their ttl", len(expired))
-            await self.destroy_sandboxes(expired)
+            try:
+                await self.destroy_sandboxes(expired)
+            finally:  # those still here (their edge did not answer) are tried again
+                for info in expired:
+                    if info.id in self.sandboxes.items:
+                        heapq.heappush(self._expiries, (info.expires_at or now, info.id))
 
     async def _list(self, req: bus.Request) -> ListResponse:
         tenant = await self._auth(req)
@@ -698,6 +767,30 @@ class ApiServer:
             return await self._edge(info.node, op, req.data, self.settings.edge_timeout_s)
 
         return handle
+
+    async def _prestage(self, req: bus.Request) -> PrestageResponse:
+        await self._auth(req)
+        r = PrestageRequest.model_validate_json(req.data)
+        nodes = [
+            v.name
+            for v in self.views.values()
+            if v.info.state == "up" and (r.pool is None or v.info.pool == r.pool)
+        ]
+        if not nodes:
+            raise errors.NotFound(f"no node is up in pool {r.pool!r}")
+
+        async def one(node: str) -> PrestageResponse:
+            try:
+                raw = await self._edge(node, "prestage", req.data, self.settings.edge_timeout_s * 4)
+                return PrestageResponse.model_validate_json(raw)
+            except errors.DsecError as exc:
+                return PrestageResponse(failed=[Failure(id=node, error=exc.to_wire())])
+
+        out = PrestageResponse()
+        for part in await asyncio.gather(*(one(n) for n in nodes)):
+            out.nodes += part.nodes
+            out.failed += part.failed
+        return out
 
     async def _publish(self, req: bus.Request) -> bytes:
         r = PublishRequest.model_validate_json(req.data)

@@ -199,6 +199,11 @@ class Backend(abc.ABC):
         """Make a snapshot a layer in the layer store."""
         raise errors.Unsupported(f"the {self.name} backend cannot publish layers")
 
+    async def prestage(self, layers: list[str]) -> list[str]:
+        """Make these layers (``name:version``) ready on this node ahead of sandboxes that
+        will use them; returns those it staged (a backend without layers stages none)."""
+        return []
+
     async def pause(self, ref: SandboxRef) -> PauseReport:
         """Freeze every process of the sandbox and reclaim what memory it can (capability
         ``pause``). Idempotent. The edge never pauses a sandbox while a command runs in it."""

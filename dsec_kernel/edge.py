@@ -47,6 +47,8 @@ from dsec_kernel.wire import (
     PauseReport,
     PauseRequest,
     PauseResponse,
+    PrestageRequest,
+    PrestageResponse,
     PublishRequest,
     ReadFileRequest,
     RestoreRequest,
@@ -138,6 +140,7 @@ class Edge:
         self._busy: Counter[str] = Counter()  # sandbox id -> commands running in it
         self._used: dict[str, float] = {}  # sandbox id -> last command's end (monotonic)
         self._layers: OrderedDict[str, None] = OrderedDict()  # layers used here, newest last
+        self._rounds = 0  # reconciliations so far
         self._backend_infos = [
             BackendInfo(name=n, version=_plugin_version(b), capabilities=b.capabilities)
             for n, b in backends.items()
@@ -167,7 +170,7 @@ class Edge:
                 raise PluginLoadError(f"backend {name!r} failed to start: {exc}") from exc
             self._started_backends.append(backend)
         self.hooks.configure("edge", self.node)
-        await self.reconcile()
+        await self.reconcile(full=True)
         await self._heartbeat()
         ops = {
             "create": self._create,
@@ -182,6 +185,7 @@ class Edge:
             "publish": self._publish,
             "pause": self._pause,
             "resume": self._resume,
+            "prestage": self._prestage,
         }
         _, self._drain = await bus.serve(
             self.nc,
@@ -281,16 +285,33 @@ class Edge:
         assert self.state is not None
         await self.state.put_node(self.node_info())
 
-    async def reconcile(self) -> None:
-        """Make the node and the cluster state agree (see the module docstring)."""
+    async def reconcile(self, full: bool = False) -> None:
+        """Make the node and the cluster state agree (see the module docstring). ``full``
+        (at start) reads every record to find this node's. Later rounds read records by
+        key: those of sandboxes the node has but does not know or knows but no longer has,
+        and every tenth round those of all it has (a record reported lost or deleted
+        elsewhere) — so a round's cost does not grow with the cluster."""
         assert self.state is not None
-        records = await self.state.scan_sandboxes(self.node)
+        had = set(self.sandboxes)
         present: dict[str, str] = {}
         for name, backend in self.backends.items():
             for sid in await backend.list_sandboxes():
                 present[sid] = name
+        self._rounds += 1
+        checked: set[str] | None = None  # None: every record was read
+        if full:
+            records = await self.state.scan_sandboxes(self.node)
+        else:
+            check = [*present, *self.sandboxes]
+            if self._rounds % 10:
+                check = [i for i in check if (i in present) != (i in self.sandboxes)]
+            checked = set(check)
+            known = await self.state.get_sandboxes(check)
+            records = {k: v for k, v in known.items() if v[0].node == self.node}
         young = time.monotonic() - 30.0  # created here so lately its record may still be coming
         for sid, name in present.items():
+            if checked is not None and sid not in checked:
+                continue  # known and present: its record is read every tenth round
             rec = records.get(sid)
             if rec is not None and rec[0].state in LIVE:
                 if sid not in self.sandboxes:
@@ -301,6 +322,8 @@ class Edge:
             local = self.sandboxes.get(sid)
             if rec is None and self._born.get(sid, -1.0) > young:
                 continue
+            if sid in had and local is None:
+                continue  # destroyed while this round read the records
             info = rec[0] if rec else local
             log.warning("reconcile: destroying %s (%s)", sid, "lost" if rec else "unknown")
             await self._destroy_one(sid, name, info, "reconcile")
@@ -613,6 +636,16 @@ class Edge:
                     log.info("paused %s: idle for %.0f s", sid, now - last)
                 except errors.DsecError as exc:
                     log.warning("could not pause idle %s: %s", sid, exc)
+
+    async def _prestage(self, req: bus.Request) -> PrestageResponse:
+        r = PrestageRequest.model_validate_json(req.data)
+        staged: list[str] = []
+        for backend in self.backends.values():
+            staged += await backend.prestage(list(r.layers))
+        if not staged:
+            raise errors.Unsupported(f"no backend on {self.node} uses layers")
+        self._used_layers(staged)
+        return PrestageResponse(nodes=[self.node])
 
     async def _publish(self, req: bus.Request) -> LayerInfo:
         r = PublishRequest.model_validate_json(req.data)

@@ -87,11 +87,9 @@ class Leases:
         return DestroyResponse(destroyed=destroyed)
 
     def _sandboxes(self, tenant: str, name: str, states: tuple[str, ...] = ()) -> list[SandboxInfo]:
-        return [
-            info
-            for info, _ in self.api.sandboxes.items.values()
-            if info.job == name and info.tenant == tenant and (not states or info.state in states)
-        ]
+        items = self.api.sandboxes.items
+        hits = (items.get(sid) for sid in list(self.api.job_members.get((tenant, name), ())))
+        return [h[0] for h in hits if h is not None and (not states or h[0].state in states)]
 
     async def check(self) -> None:
         """Mark leases past their expiry lapsed, and pause their jobs' live sandboxes."""

@@ -157,6 +157,18 @@ class ScoredPolicy(PlacementPolicy):
                 heapq.heappush(heap, (s, name, n, used, cap))
         return out
 
+    @staticmethod
+    def pressure(node: NodeView) -> float:
+        """A penalty from the node's heartbeat: nothing while its memory is under 80 % used
+        and its CPUs are not overloaded, then up to 0.5 for memory (at 100 %) plus 0.5 per
+        unit of load above one per CPU (a completely full node scores 1.0); below that only
+        breaks ties."""
+        info = node.info
+        used_mem = 1 - info.load.mem_available_mb / info.memory_mb if info.memory_mb else 0.0
+        cpu = info.load.cpu_load
+        penalty = 2.5 * max(0.0, used_mem - 0.8) + 0.5 * max(0.0, cpu - 1.0)
+        return penalty + 1e-9 * (cpu + used_mem)
+
     def _bonus(self, request: PlacementRequest, node: NodeView, refs: list[str]) -> float:
         bonus = self.hooks.placement_score(node, request)
         if refs and self.config.locality_weight:
@@ -193,11 +205,11 @@ class LeastLoaded(ScoredPolicy):
 
     Ratio = sandboxes / capacity, so nodes of different sizes fill evenly; plugin scores and
     the locality bonus are subtracted (a score of 1.0 outweighs a completely full node).
-    Ties go to the lower CPU load.
+    Nodes short of memory or overloaded score worse (:meth:`pressure`).
     """
 
     def score(self, request: PlacementRequest, node: NodeView, used: int, cap: int) -> float:
-        return used / cap + node.info.load.cpu_load * 1e-3
+        return used / cap + self.pressure(node)
 
 
 class BinPack(ScoredPolicy):
@@ -215,4 +227,4 @@ class SpreadByJob(ScoredPolicy):
 
     def score(self, request: PlacementRequest, node: NodeView, used: int, cap: int) -> float:
         mine = request.job_counts.get(node.name, 0) if request.spec.job else 0
-        return mine + used / cap
+        return mine + used / cap + self.pressure(node)

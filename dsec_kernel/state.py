@@ -281,6 +281,19 @@ class ClusterState:
             return None
         return SandboxInfo.model_validate_json(entry.value), entry.revision
 
+    async def get_sandboxes(self, ids: list[str]) -> dict[str, tuple[SandboxInfo, int]]:
+        """The records of ``ids`` that exist (read by key, 64 at a time)."""
+        out: dict[str, tuple[SandboxInfo, int]] = {}
+        unique = list(dict.fromkeys(ids))
+        for i in range(0, len(unique), 64):
+            chunk = unique[i : i + 64]
+            for sid, hit in zip(
+                chunk, await asyncio.gather(*(self.get_sandbox(s) for s in chunk)), strict=True
+            ):
+                if hit is not None:
+                    out[sid] = hit
+        return out
+
     async def cas_sandbox(self, info: SandboxInfo, revision: int) -> int:
         try:
             return await self.sandboxes.update(info.id, info.model_dump_json().encode(), revision)

@@ -71,6 +71,10 @@ async def test_each_edge_is_a_node_of_its_own_and_bursts_go_to_the_cloud_pool(cl
         assert {n.node: n.pool for n in await c.nodes()} == {
             "n1": "default", "n2": "default", "n3": "default", "n4": "cloud"
         }  # fmt: skip
+        staged = await c.prestage(["busybox:1"], pool="cloud")  # before the burst
+        assert (staged.nodes, staged.failed) == (["n4"], [])
+        await asyncio.sleep(0.8)
+        assert {n.node for n in await c.nodes() if "busybox:1" in n.layers} == {"n4"}
         # on-prem holds 12; past 80 % full (10) new sandboxes go to the cloud pool
         first = await c.create(count=9, backend="container", env=BUSYBOX)
         assert set(Counter(sb.node for sb in first)) == {"n1", "n2", "n3"}

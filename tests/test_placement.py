@@ -123,3 +123,17 @@ def test_the_cloud_pool_takes_sandboxes_only_past_the_threshold():
     # full nodes count towards the fill too: 17 of 20 on-prem is past 80 %
     full_and_busy = [node("p1", cap=10, used=10), node("p2", cap=10, used=7), cloud]
     assert set(policy.place(request(2), full_and_busy)) == {"c1"}
+
+
+def test_nodes_short_of_memory_or_overloaded_are_avoided():
+    calm, short = node("calm", used=30), node("short", used=10)
+    short.info.memory_mb, short.info.load.mem_available_mb = 1000, 50  # 95 % of memory used
+    calm.info.memory_mb, calm.info.load.mem_available_mb = 1000, 600
+    assert LeastLoaded(HOOKS).place(request(1), [short, calm]) == ["calm"]
+    hot = node("hot", used=10)
+    hot.info.load.cpu_load = 2.0  # twice as many runnable tasks as CPUs
+    assert LeastLoaded(HOOKS).place(request(1), [hot, node("cool", used=30)]) == ["cool"]
+    warm = node("warm")
+    warm.info.load.cpu_load = 0.6  # busy, not overloaded: only breaks a tie
+    assert LeastLoaded(HOOKS).place(request(1), [warm, node("idle", used=1)]) == ["warm"]
+    assert LeastLoaded(HOOKS).place(request(1), [warm, node("idle")]) == ["idle"]

@@ -98,6 +98,13 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("ls", help="list your sandboxes")
     sub.add_parser("nodes", help="list nodes")
 
+    s = sub.add_parser("trajectory", help="a sandbox's trajectory as JSON lines")
+    s.add_argument("sandbox")
+
+    s = sub.add_parser("prestage", help="stage layers on a pool's nodes before a burst")
+    s.add_argument("layers", nargs="+", metavar="NAME:VERSION")
+    s.add_argument("--pool", help="node pool (default: every node)")
+
     s = sub.add_parser("exec", help="run a command in a sandbox")
     s.add_argument("sandbox")
     s.add_argument("--timeout", type=float, default=60.0)
@@ -215,7 +222,7 @@ async def _client_cmd(args: argparse.Namespace) -> int:
                 table.add_row(sb.id, sb.backend, sb.node, sb.info.state, _when(sb.info.expires_at))
             console.print(table)
         elif args.cmd == "nodes":
-            table = Table("node", "state", "pool", "backends", "sandboxes", "cpu load")
+            table = Table("node", "state", "pool", "backends", "sandboxes", "paused", "cpu load")
             for n in await c.nodes():
                 table.add_row(
                     n.node,
@@ -223,9 +230,19 @@ async def _client_cmd(args: argparse.Namespace) -> int:
                     n.pool,
                     ",".join(b.name for b in n.backends),
                     str(n.load.sandboxes),
+                    str(n.load.paused),
                     f"{n.load.cpu_load:.2f}",
                 )
             console.print(table)
+        elif args.cmd == "trajectory":
+            for rec in await c.trajectory(args.sandbox):
+                print(rec.model_dump_json())
+        elif args.cmd == "prestage":
+            resp = await c.prestage(args.layers, pool=args.pool)
+            print(f"staged on {len(resp.nodes)} node(s): {', '.join(sorted(resp.nodes)) or '-'}")
+            for f in resp.failed:
+                print(f"  {f.id}: {f.error.message}", file=sys.stderr)
+            return 1 if resp.failed else 0
         elif args.cmd == "exec":
             command = args.command[1:] if args.command[:1] == ["--"] else args.command
             if not command:

@@ -47,6 +47,8 @@ from dsec_kernel.wire import (
     PauseResponse,
     PoolInfo,
     PoolOpenRequest,
+    PrestageRequest,
+    PrestageResponse,
     PublishRequest,
     ReadFileRequest,
     ReadFileResponse,
@@ -525,6 +527,13 @@ class AsyncClient:
         ``priority`` (0-100): under pressure, lower-priority jobs' sandboxes are paused first.
         """
         return Job(self, _model(JobRenewRequest, name=name, priority=priority, lease_s=lease_s))
+
+    async def prestage(self, layers: Sequence[str], *, pool: str | None = None) -> PrestageResponse:
+        """Have the nodes of ``pool`` (all, if None) mount these layers (``name:version``)
+        and read their metadata now — before a burst sends sandboxes there. Placement then
+        prefers them for sandboxes on those layers."""
+        req = _model(PrestageRequest, layers=list(layers), pool=pool)
+        return await self._call("prestage", req, PrestageResponse, self.timeout * 4)
 
     async def publish(
         self, snapshot: Snapshot | str, *, kind: str, name: str, version: str

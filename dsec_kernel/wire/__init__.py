@@ -28,6 +28,7 @@ from dsec_kernel.wire.exec import (
     shell_argv,
 )
 from dsec_kernel.wire.job import MAX_LEASE_S, JobCloseRequest, JobInfo, JobRenewRequest
+from dsec_kernel.wire.layer import PrestageRequest, PrestageResponse
 from dsec_kernel.wire.node import (
     BackendInfo,
     Capabilities,
@@ -128,6 +129,8 @@ MESSAGES: tuple[type[Message], ...] = (
     AcquireResponse,
     ReleaseRequest,
     PoolCloseRequest,
+    PrestageRequest,
+    PrestageResponse,
 )
 
 AnyMessage = Annotated[Union[MESSAGES], Field(discriminator="type")]  # type: ignore[valid-type]  # noqa: UP007
@@ -203,6 +206,8 @@ __all__ = [
     "PoolCloseRequest",
     "PoolInfo",
     "PoolOpenRequest",
+    "PrestageRequest",
+    "PrestageResponse",
     "PublishRequest",
     "Quota",
     "ReadFileRequest",

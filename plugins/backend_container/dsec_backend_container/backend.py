@@ -148,6 +148,7 @@ class ContainerBackend(Backend):
             update={"max_sandboxes": self.config.max_sandboxes}
         )
         self.metas: dict[str, Meta] = {}
+        self._staged: set[str] = set()  # digests mounted ahead of use (prestage)
         self._locks: dict[str, asyncio.Lock] = {}
         self._gc: asyncio.Task[None] | None = None
 
@@ -211,6 +212,9 @@ class ContainerBackend(Backend):
         await asyncio.to_thread(self.trash.close)
         await asyncio.to_thread(self.egress.close)
         await asyncio.to_thread(self._drop_swap)
+        for digest in self._staged:
+            await asyncio.to_thread(self.store.release, digest, self._holder("prestaged"))
+        self._staged.clear()
         if not self.metas:
             await asyncio.to_thread(self.cgroups.remove)
 
@@ -428,6 +432,20 @@ class ContainerBackend(Backend):
         async with self._lock(ref.sandbox_id):
             meta = self._meta(ref.sandbox_id)
             return await asyncio.to_thread(self._pause, meta.id)
+
+    async def prestage(self, layers: list[str]) -> list[str]:
+        """Mount each layer (held until the backend closes) and walk its tree, so its
+        metadata is read from the store now rather than by the first sandbox."""
+        return await asyncio.to_thread(self._prestage, layers)
+
+    def _prestage(self, layers: list[str]) -> list[str]:
+        for ref in layers:
+            digest = self.store.resolve(*ref.split(":", 1)).digest
+            root = self.store.mount(digest, self._holder("prestaged"))
+            self._staged.add(digest)
+            for _ in os.walk(root):
+                pass
+        return layers
 
     def _drop_swap(self) -> None:
         freezer_root = self.cgroups.dirs["freezer"].parent
