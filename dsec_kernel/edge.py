@@ -418,7 +418,7 @@ class Edge:
     async def _exec_one(self, r: ExecRequest, sandbox_id: str) -> ExecResult:
         """Run the command, log it in the sandbox's trajectory, answer; a request id that
         already ran there gets the logged result."""
-        rid = r.request_id if r.request_id else None
+        rid = r.request_id
         self._busy[sandbox_id] += 1  # from before the paused check: no pause slips in
         ran = mine = False
         result: ExecResult | None = None

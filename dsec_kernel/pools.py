@@ -136,6 +136,8 @@ class Pools:
         r = PoolCloseRequest.model_validate_json(req.data)
         assert self.api.state is not None
         await self.api.state.pools.delete(_key(tenant, r.name))
+        if self.pools is not None:
+            self.pools.items.pop(_key(tenant, r.name), None)  # a refill in flight sees it gone
         idle = [info for info, _ in self._idle(tenant, r.name)]
         return DestroyResponse(destroyed=await self.api.destroy_sandboxes(idle))
 
@@ -161,10 +163,12 @@ class Pools:
 
     async def _fill(self, key: str, pool: PoolInfo, count: int) -> None:
         try:
-            await self.api.create_sandboxes(
+            made = await self.api.create_sandboxes(
                 pool.tenant, CreateRequest(spec=pool.spec, count=count), pool=pool.name,
                 in_pool=True,
             )  # fmt: skip
+            if self._pool(pool.tenant, pool.name) is None:  # closed meanwhile
+                await self.api.destroy_sandboxes(made)
         except errors.DsecError as exc:
             log.warning("filling pool %s of %s failed: %s", pool.name, pool.tenant, exc)
         finally:

@@ -100,3 +100,24 @@ async def test_bad_pool_requests(cluster):
 
 async def _is(c, pool, n) -> bool:
     return await _idle(c, pool) == n
+
+
+async def test_the_sync_client_has_jobs_and_pools(cluster):
+    """``dsec.Client`` (synchronous) with a job and a pool, as a script without asyncio."""
+    conn = cluster.conn
+
+    def script() -> list[str]:
+        with dsec.Client(url=conn.url, token=conn.token) as c:
+            with c.job("sync-job", lease_s=5) as job:
+                (sb,) = job.create(backend="container", env=BUSYBOX)
+                assert [s.id for s in job.sandboxes()] == [sb.id]
+                job.stop_renewing()
+                job.renew()
+                assert sb.exec("echo hi").stdout == b"hi\n"
+            with c.pool(backend="container", env=BUSYBOX, size=0, max_size=2, name="s") as pool:
+                got = pool.acquire()
+                assert got.info.pool == "s"
+                assert pool.release(got) == []
+            return [s.id for s in c.list()]
+
+    assert await asyncio.to_thread(script) == []  # the job and the pool took theirs along

@@ -3,6 +3,16 @@
 from dsec_kernel.sdk.client import AsyncClient, Sandbox, Snapshot
 from dsec_kernel.sdk.job import Job
 from dsec_kernel.sdk.pool import Pool
-from dsec_kernel.sdk.sync import Client, SyncSandbox
+from dsec_kernel.sdk.sync import Client, SyncJob, SyncPool, SyncSandbox
 
-__all__ = ["AsyncClient", "Client", "Job", "Pool", "Sandbox", "Snapshot", "SyncSandbox"]
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "Job",
+    "Pool",
+    "Sandbox",
+    "Snapshot",
+    "SyncJob",
+    "SyncPool",
+    "SyncSandbox",
+]

@@ -1,7 +1,8 @@
 """The synchronous SDK: the same surface as the async one, run on a private event loop.
 
-Each method of :class:`Client` and :class:`SyncSandbox` is the async method of the same
-name (same signature and documentation), waited for; sandbox handles are converted both ways.
+Each method of :class:`Client`, :class:`SyncSandbox`, :class:`SyncJob` and :class:`SyncPool`
+is the async method of the same name (same signature and documentation), waited for;
+sandbox, job and pool handles are converted both ways.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from dsec_kernel.sdk.client import AsyncClient, Sandbox
+from dsec_kernel.sdk.job import Job
+from dsec_kernel.sdk.pool import Pool
 
-__all__ = ["Client", "SyncSandbox"]
+__all__ = ["Client", "SyncJob", "SyncPool", "SyncSandbox"]
 
 
 def _to_async(value: Any) -> Any:
-    if isinstance(value, SyncSandbox):
-        return value._sandbox
+    if isinstance(value, _Handle):
+        return value._target
     if isinstance(value, list | tuple):
         return type(value)(_to_async(v) for v in value)
     return value
@@ -45,30 +48,33 @@ class _Loop:
 def _sync(method: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]:
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        target = self._sandbox if isinstance(self, SyncSandbox) else self._client
         coro = method(
-            target, *_to_async(list(args)), **{k: _to_async(v) for k, v in kwargs.items()}
+            self._target, *_to_async(list(args)), **{k: _to_async(v) for k, v in kwargs.items()}
         )
         return self._wrap(self._loop.run(coro))
 
     return call
 
 
-class SyncSandbox:
-    """A synchronous handle on one sandbox; ``with`` destroys it on exit."""
+class _Handle:
+    """A synchronous handle on an async SDK object, run on the client's loop."""
 
-    def __init__(self, sandbox: Sandbox, loop: _Loop, wrap: Callable[[Any], Any]) -> None:
-        self._sandbox = sandbox
+    def __init__(self, target: Any, loop: _Loop, wrap: Callable[[Any], Any]) -> None:
+        self._target = target
         self._loop = loop
         self._wrap = wrap
 
-    id = property(lambda self: self._sandbox.id)
-    backend = property(lambda self: self._sandbox.backend)
-    node = property(lambda self: self._sandbox.node)
-    info = property(lambda self: self._sandbox.info)
+
+class SyncSandbox(_Handle):
+    """A synchronous handle on one sandbox; ``with`` destroys it on exit."""
+
+    id = property(lambda self: self._target.id)
+    backend = property(lambda self: self._target.backend)
+    node = property(lambda self: self._target.node)
+    info = property(lambda self: self._target.info)
 
     def __repr__(self) -> str:
-        return repr(self._sandbox)
+        return repr(self._target)
 
     exec = _sync(Sandbox.exec)
     write_file = _sync(Sandbox.write_file)
@@ -91,21 +97,68 @@ class SyncSandbox:
         self.destroy()
 
 
+class SyncJob(_Handle):
+    """A job (see :meth:`AsyncClient.job`): ``with client.job(...) as job:`` opens it and
+    renews its lease in the background; leaving the block ends it."""
+
+    name = property(lambda self: self._target.name)
+    info = property(lambda self: self._target.info)
+
+    create = _sync(Job.create)
+    sandboxes = _sync(Job.sandboxes)
+    renew = _sync(Job.renew)
+    close = _sync(Job.close)
+
+    def stop_renewing(self) -> None:
+        """Stop the background renewals, as a preempted trainer would."""
+
+        async def stop() -> None:
+            self._target.stop_renewing()
+
+        self._loop.run(stop())
+
+    def __enter__(self) -> SyncJob:
+        self.renew()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SyncPool(_Handle):
+    """A warm pool (see :meth:`AsyncClient.pool`); ``with`` closes it on exit."""
+
+    name = property(lambda self: self._target.name)
+    info = property(lambda self: self._target.info)
+
+    acquire = _sync(Pool.acquire)
+    acquire_many = _sync(Pool.acquire_many)
+    release = _sync(Pool.release)
+    close = _sync(Pool.close)
+
+    def __enter__(self) -> SyncPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class Client:
     """The synchronous DSec client: ``with dsec.Client() as c: ...``."""
 
     def __init__(self, url: str | None = None, token: str | None = None, **kwargs: Any) -> None:
         self._loop = _Loop()
-        self._client = AsyncClient(url, token, **kwargs)
+        self._target = AsyncClient(url, token, **kwargs)
         try:
-            self._loop.run(self._client.connect())
+            self._loop.run(self._target.connect())
         except BaseException:
             self._loop.stop()
             raise
 
     def _wrap(self, value: Any) -> Any:
-        if isinstance(value, Sandbox):
-            return SyncSandbox(value, self._loop, self._wrap)
+        for cls, sync in ((Sandbox, SyncSandbox), (Job, SyncJob), (Pool, SyncPool)):
+            if isinstance(value, cls):
+                return sync(value, self._loop, self._wrap)
         if isinstance(value, list):
             return [self._wrap(v) for v in value]
         return value
@@ -122,11 +175,17 @@ class Client:
     trajectory = _sync(AsyncClient.trajectory)
     recover = _sync(AsyncClient.recover)
     resume = _sync(AsyncClient.resume)
+    pool = _sync(AsyncClient.pool)
+    prestage = _sync(AsyncClient.prestage)
+
+    def job(self, name: str, *, priority: int = 0, lease_s: float = 30.0) -> SyncJob:
+        """See :meth:`AsyncClient.job`; use it as ``with``."""
+        return self._wrap(self._target.job(name, priority=priority, lease_s=lease_s))
 
     def close(self) -> None:
         """Disconnect and stop the client's event loop. Idempotent."""
         if self._loop.thread.is_alive():
-            self._loop.run(self._client.close())
+            self._loop.run(self._target.close())
             self._loop.stop()
 
     def __enter__(self) -> Client:
