@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 
 import pytest
 from dsec_backend_container.backend import ContainerBackend
@@ -174,3 +176,23 @@ async def test_a_higher_priority_job_pauses_lower_ones_to_get_room(local_cluster
             await asyncio.sleep(0.1)
         assert [r.stdout for r in await c.exec_many(lows, "cat /tmp/f")] == [b"mine\n"] * 3
         await low.close()
+
+
+async def test_the_cli_pauses_resumes_and_lists_why(cluster):
+    conn = cluster.conn
+    env = {**os.environ, "DSEC_URL": conn.url, "DSEC_TOKEN": conn.token, "COLUMNS": "200"}
+
+    async def dsec_cli(*args: str) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "dsec_kernel.cli", *args, env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await proc.communicate()
+        assert proc.returncode == 0, err.decode()
+        return out.decode()
+
+    sid = (await dsec_cli("create", "--backend", "container", "--base", "busybox:1")).strip()
+    assert "paused in" in await dsec_cli("pause", sid)
+    assert "paused (requested)" in await dsec_cli("ls")
+    assert "ready in" in await dsec_cli("resume", sid)
+    await dsec_cli("destroy", sid)

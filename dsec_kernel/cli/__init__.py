@@ -94,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--workspace", help="workspace layer name:version")
     s.add_argument("--toolkit", action="append", default=[], help="toolkit layer (repeatable)")
     s.add_argument("--network", choices=["none", "egress"], default="none")
+    s.add_argument("--idle-ttl", type=float, help="pause after this many seconds without a command")
+    s.add_argument("--wait", type=float, default=30.0, help="longest wait for room (seconds)")
+
+    for verb in ("pause", "resume"):
+        s = sub.add_parser(verb, help=f"{verb} sandboxes")
+        s.add_argument("sandboxes", nargs="+", metavar="ID")
 
     sub.add_parser("ls", help="list your sandboxes")
     sub.add_parser("nodes", help="list nodes")
@@ -213,13 +219,26 @@ async def _client_cmd(args: argparse.Namespace) -> int:
                     if args.base
                     else None,
                     network=args.network,
+                    idle_ttl=args.idle_ttl,
+                    wait=args.wait,
                     progress=lambda done, total: bar.update(task, completed=done),
                 )
             print("\n".join(sb.id for sb in sbs))
+        elif args.cmd in ("pause", "resume"):
+            reports = await getattr(c, args.cmd)(args.sandboxes)
+            for r in reports:
+                freed = (r.memory_before_bytes - r.memory_after_bytes) >> 20
+                extra = f", {freed} MiB out of RAM" if args.cmd == "pause" else ""
+                print(f"{r.sandbox_id} {r.state} in {r.seconds * 1e3:.1f} ms{extra}")
         elif args.cmd == "ls":
-            table = Table("id", "backend", "node", "state", "expires")
+            table = Table("id", "backend", "node", "state", "job", "pool", "expires")
             for sb in await c.list():
-                table.add_row(sb.id, sb.backend, sb.node, sb.info.state, _when(sb.info.expires_at))
+                i = sb.info
+                state = f"{i.state} ({i.paused_reason})" if i.paused_reason else i.state
+                pool = f"{i.pool}{' (idle)' if i.in_pool else ''}" if i.pool else ""
+                table.add_row(
+                    sb.id, sb.backend, sb.node, state, i.job or "", pool, _when(i.expires_at)
+                )
             console.print(table)
         elif args.cmd == "nodes":
             table = Table("node", "state", "pool", "backends", "sandboxes", "paused", "cpu load")
