@@ -36,6 +36,7 @@ __all__ = [
     "Request",
     "api_subject",
     "connect",
+    "disconnect",
     "edge_subject",
     "request",
     "request_raw",
@@ -239,8 +240,23 @@ async def serve(
         )
 
     async def drain() -> None:
-        await svc.stop()
+        try:  # unsubscribing waits on the server: bounded, for when NATS is gone
+            await asyncio.wait_for(svc.stop(), 5)
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("stopping the service %s: %r; going on", name, exc)
         if runner.tasks:
             await asyncio.wait(set(runner.tasks), timeout=30)
 
     return svc, drain
+
+
+async def disconnect(nc: NATS, timeout: float = 5.0) -> None:
+    """Drain the connection (pending messages delivered, subscriptions gone); if NATS does
+    not answer within ``timeout`` (it is gone), just close it."""
+    try:
+        await asyncio.wait_for(nc.drain(), timeout)
+    except (TimeoutError, nats.errors.Error):
+        try:
+            await nc.close()
+        except (RuntimeError, OSError):  # nats-py flushing into a transport already closed
+            pass

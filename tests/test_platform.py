@@ -224,3 +224,17 @@ def test_dsec_up_stops_cleanly_on_sigterm(tmp_path):
     assert "stopped" in proc.stderr.read()
     proc.stderr.close()
     assert not processes_mentioning(str(tmp_path / "up"))
+
+
+async def test_services_stop_on_sigterm_even_when_nats_is_gone(cluster):
+    """An apiserver or edge whose NATS died still stops when told to (it used to wait for
+    ever for the server to confirm its unsubscriptions)."""
+    cluster.start_edge("n1", ["fncall"])
+    await cluster.ready()
+    cluster.nats.proc.kill()
+    cluster.nats.proc.wait()
+    children = [cluster.apiservers[0], cluster.edges["n1"]]
+    for child in children:
+        child.proc.send_signal(signal.SIGTERM)
+    for child in children:
+        assert await asyncio.to_thread(child.proc.wait, 20) == 0, child.name

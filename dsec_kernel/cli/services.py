@@ -78,7 +78,7 @@ async def _apiserver(settings: ApiSettings, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         await server.stop()
-        await nc.drain()
+        await bus.disconnect(nc)
 
 
 async def _edge(settings: EdgeSettings, stop: asyncio.Event) -> None:
@@ -96,7 +96,7 @@ async def _edge(settings: EdgeSettings, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         await edge.stop()
-        await nc.drain()
+        await bus.disconnect(nc)
 
 
 def run_apiserver(**overrides: Any) -> None:
