@@ -87,6 +87,20 @@ def no_leaks():
 
 
 @pytest.fixture
+def busybox_env(tmp_path) -> dict[str, str]:
+    """A layer store under ``tmp_path`` holding the busybox base (``busybox:1``), as the
+    settings that point services at it."""
+    from dsec_storage_3fs.images import busybox_tree, ensure_layer
+
+    from dsec_kernel.storage import open_store
+
+    root = str(tmp_path / "store")
+    store = open_store("3fs", {"root": root, "cache_dir": str(tmp_path / "cache")})
+    ensure_layer(store, "base", "busybox", "1", busybox_tree)
+    return {"DSEC_STORAGE_CONFIG__ROOT": root}
+
+
+@pytest.fixture
 def local_cluster(tmp_path):
     """A factory for LocalClusters (nats + apiservers + edges as processes), stopped after."""
     made: list[LocalCluster] = []

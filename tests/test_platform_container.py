@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 from dsec_backend_container.backend import ContainerBackend
-from dsec_storage_3fs.images import busybox_tree, ensure_layer
 
 import dsec_kernel as dsec
 from dsec_kernel import errors
-from dsec_kernel.storage import open_store
 
 REASON = ContainerBackend.unavailable_reason()
 pytestmark = pytest.mark.skipif(
@@ -24,12 +22,8 @@ BUSYBOX = dsec.Env(base="busybox:1")
 
 
 @pytest.fixture
-def cluster(local_cluster, tmp_path):
-    store = {"DSEC_STORAGE_CONFIG__ROOT": str(tmp_path / "store")}
-    ensure_layer(open_store("3fs", {"root": store["DSEC_STORAGE_CONFIG__ROOT"],
-                                    "cache_dir": str(tmp_path / "cache")}),
-                 "base", "busybox", "1", busybox_tree)  # fmt: skip
-    c = local_cluster(store)
+def cluster(local_cluster, busybox_env):
+    c = local_cluster(busybox_env)
     c.start_apiserver("--node-timeout", "2")
     return c
 

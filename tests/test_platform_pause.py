@@ -8,11 +8,9 @@ import sys
 
 import pytest
 from dsec_backend_container.backend import ContainerBackend
-from dsec_storage_3fs.images import busybox_tree, ensure_layer
 
 import dsec_kernel as dsec
 from dsec_kernel import errors
-from dsec_kernel.storage import open_store
 
 REASON = ContainerBackend.unavailable_reason()
 pytestmark = pytest.mark.skipif(
@@ -23,11 +21,8 @@ COUNTER = "(setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0
 
 
 @pytest.fixture
-async def cluster(local_cluster, tmp_path):
-    root = str(tmp_path / "store")
-    ensure_layer(open_store("3fs", {"root": root, "cache_dir": str(tmp_path / "cache")}),
-                 "base", "busybox", "1", busybox_tree)  # fmt: skip
-    c = local_cluster({"DSEC_STORAGE_CONFIG__ROOT": root})
+async def cluster(local_cluster, busybox_env):
+    c = local_cluster(busybox_env)
     c.start_apiserver()
     c.start_edge("e", ["container"], "--heartbeat", "0.2")
     await c.ready()
@@ -141,18 +136,11 @@ async def test_a_lapsed_lease_pauses_the_job_and_a_renewal_resumes_it(cluster):
             await c.create(backend="container", env=BUSYBOX, job="grpo-step-1")
 
 
-async def test_a_higher_priority_job_pauses_lower_ones_to_get_room(local_cluster, tmp_path):
+async def test_a_higher_priority_job_pauses_lower_ones_to_get_room(local_cluster, busybox_env):
     """Room for 3: a priority-1 job holds it; a priority-9 job asks for 2 and gets them by
     pausing two of the first job's sandboxes (not its one near its end); when the
     priority-9 job ends, they resume."""
-    root = str(tmp_path / "store")
-    ensure_layer(open_store("3fs", {"root": root, "cache_dir": str(tmp_path / "cache")}),
-                 "base", "busybox", "1", busybox_tree)  # fmt: skip
-    small = {
-        "DSEC_STORAGE_CONFIG__ROOT": root,
-        "DSEC_BACKEND_CONFIG__CONTAINER__MAX_SANDBOXES": "4",
-    }
-    cluster = local_cluster(small)
+    cluster = local_cluster({**busybox_env, "DSEC_BACKEND_CONFIG__CONTAINER__MAX_SANDBOXES": "4"})
     cluster.start_apiserver()
     cluster.start_edge("e", ["container"], "--heartbeat", "0.2")
     await cluster.ready()

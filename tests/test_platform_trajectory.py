@@ -8,12 +8,10 @@ import json
 
 import pytest
 from dsec_backend_container.backend import ContainerBackend
-from dsec_storage_3fs.images import busybox_tree, ensure_layer
 
 import dsec_kernel as dsec
 from dsec_kernel import errors
 from dsec_kernel.cluster import ensure_tenant
-from dsec_kernel.storage import open_store
 from dsec_kernel.wire import CommandRecord
 
 REASON = ContainerBackend.unavailable_reason()
@@ -24,11 +22,8 @@ BUSYBOX = dsec.Env(base="busybox:1")
 
 
 @pytest.fixture
-async def cluster(local_cluster, tmp_path):
-    root = str(tmp_path / "store")
-    ensure_layer(open_store("3fs", {"root": root, "cache_dir": str(tmp_path / "cache")}),
-                 "base", "busybox", "1", busybox_tree)  # fmt: skip
-    c = local_cluster({"DSEC_STORAGE_CONFIG__ROOT": root})
+async def cluster(local_cluster, busybox_env):
+    c = local_cluster(busybox_env)
     c.start_apiserver("--node-timeout", "1.5")
     return c
 
