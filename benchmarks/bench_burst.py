@@ -27,17 +27,13 @@ import uuid
 from collections import Counter
 
 from simcluster import simulated
+from stats import pct
 
 import dsec_kernel as dsec
 from dsec_kernel import errors
 from dsec_kernel.wire import CreateRequest, CreateResponse, SandboxSpec
 
 EDGES = 10
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(p / 100 * len(s)))] if s else float("nan")
 
 
 async def episode(

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dsec_storage_3fs.images import busybox_tree, ensure_layer
+from stats import pct
 
 import dsec_kernel as dsec
 from dsec_kernel import linux
@@ -43,11 +44,6 @@ from dsec_kernel.storage import open_store
 
 BUSYBOX = dsec.Env(base="busybox:1")
 TRUE = ["/bin/busybox", "true"]
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(p / 100 * len(s)))]
 
 
 # -- DSec through the SDK ---------------------------------------------------------------------

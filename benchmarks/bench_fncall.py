@@ -20,6 +20,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from stats import pct
+
 import dsec_kernel as dsec
 from dsec_kernel.cluster import LocalCluster
 
@@ -27,11 +29,6 @@ CASES = {
     "python print(1)": ("print(1)", "python", [sys.executable, "-c", "print(1)"]),
     "bash true": ("true", "bash", ["bash", "-c", "true"]),
 }
-
-
-def pct(samples: list[float], p: float) -> float:
-    s = sorted(samples)
-    return s[min(len(s) - 1, int(p / 100 * len(s)))]
 
 
 def baseline(argv: list[str], calls: int, concurrency: int) -> tuple[list[float], float]:

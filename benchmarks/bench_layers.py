@@ -74,6 +74,7 @@ from dsec_backend_container.backend import ContainerBackend, ContainerConfig
 from dsec_storage_3fs.images import debian_python
 from dsec_storage_3fs.mounts import unmount_under
 from dsec_storage_3fs.pagecache import tree_resident_bytes
+from stats import pct
 
 from dsec_kernel.backend import ExecCall, SandboxRef
 from dsec_kernel.conformance import started
@@ -344,11 +345,6 @@ async def copy_start(side: Side, copies: list[tuple[Path, Path]]) -> None:
 
 def ms(xs: list[float]) -> str:
     return f"{statistics.median(xs) * 1e3:.0f}" if xs else "-"
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(p / 100 * len(s)))]
 
 
 async def cold_starts(

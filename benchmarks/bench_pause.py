@@ -30,20 +30,12 @@ from benchlib import leftovers
 from dsec_backend_container.backend import ContainerBackend
 from dsec_backend_container.reclaim import ZramSwap, freeze
 from dsec_storage_3fs.images import busybox_tree, ensure_layer
+from stats import p50_p99_ms
 
 from dsec_kernel.backend import ExecCall, SandboxRef
 from dsec_kernel.conformance import started
 from dsec_kernel.storage import open_store
 from dsec_kernel.wire import EdgeSandbox, Env, SandboxSpec
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(p / 100 * len(s)))]
-
-
-def ms(xs: list[float]) -> str:
-    return f"p50 {statistics.median(xs) * 1e3:7.1f} ms  p99 {pct(xs, 99) * 1e3:7.1f} ms"
 
 
 async def sh(b: ContainerBackend, sid: str, script: str) -> bytes:
@@ -120,10 +112,11 @@ async def run(n: int, mb: int, tmp: Path) -> None:
         before = sum(r.memory_before_bytes for r in reports)
         after = sum(r.memory_after_bytes for r in reports)
         swapped = sum(r.swapped_bytes for r in reports)
-        print(f"pause  (freeze + reclaim): {ms(pauses)}")
-        print(f"resume (thaw):             {ms(resumes)}")
-        print(f"  then reading the {mb} MB back from zram: {ms(reads)} (in RAM: {ms(warm)})")
-        print(f"baseline, freeze only:     {ms(freezes)}; thaw {ms(thaws)}")
+        print(f"pause  (freeze + reclaim): {p50_p99_ms(pauses)}")
+        print(f"resume (thaw):             {p50_p99_ms(resumes)}")
+        print(f"  then reading the {mb} MB back from zram: {p50_p99_ms(reads)}")
+        print(f"                      and from RAM:       {p50_p99_ms(warm)}")
+        print(f"baseline, freeze only:     {p50_p99_ms(freezes)}; thaw {p50_p99_ms(thaws)}")
         ratio = statistics.median(pauses) / statistics.median(freezes)
         print(f"  pause / freeze-only p50: {ratio:.1f}x (the price of giving the memory back)")
         print(

@@ -19,21 +19,13 @@ import time
 from pathlib import Path
 
 from dsec_storage_3fs.images import busybox_tree, ensure_layer
+from stats import p50_p99_ms
 
 import dsec_kernel as dsec
 from dsec_kernel.cluster import LocalCluster
 from dsec_kernel.storage import open_store
 
 ENV = dsec.Env(base="busybox:1")
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(p / 100 * len(s)))]
-
-
-def ms(xs: list[float]) -> str:
-    return f"p50 {statistics.median(xs) * 1e3:6.1f} ms  p99 {pct(xs, 99) * 1e3:6.1f} ms"
 
 
 async def run(cluster: LocalCluster, rounds: int, size: int) -> None:
@@ -61,11 +53,11 @@ async def run(cluster: LocalCluster, rounds: int, size: int) -> None:
             created_first.append(time.perf_counter() - t)
             await sb.destroy()
         await pool.close()
-    print(f"pool.acquire():            {ms(acquire)}")
-    print(f"  to the first command:    {ms(first)}")
-    print(f"pool.release() (reset):    {ms(release)}")
-    print(f"baseline create(count=1):  {ms(create)}")
-    print(f"  to the first command:    {ms(created_first)}")
+    print(f"pool.acquire():            {p50_p99_ms(acquire)}")
+    print(f"  to the first command:    {p50_p99_ms(first)}")
+    print(f"pool.release() (reset):    {p50_p99_ms(release)}")
+    print(f"baseline create(count=1):  {p50_p99_ms(create)}")
+    print(f"  to the first command:    {p50_p99_ms(created_first)}")
     ratio = statistics.median(created_first) / statistics.median(first)
     print(f"time to first command: the pool is {ratio:.1f}x faster than a create")
 

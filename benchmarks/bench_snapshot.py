@@ -37,17 +37,13 @@ import time
 from pathlib import Path
 
 from dsec_storage_3fs.images import busybox_tree, ensure_layer
+from stats import pct
 
 import dsec_kernel as dsec
 from dsec_kernel.cluster import LocalCluster
 from dsec_kernel.storage import open_store
 
 EDITS = 20
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(p / 100 * len(s)))]
 
 
 def build_workspace(dest: Path, files: int, total_mb: int) -> list[str]:
