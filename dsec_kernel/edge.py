@@ -385,6 +385,7 @@ class Edge:
         )
         self._add(info)
         self._born[sb.id] = time.monotonic()
+        self.replays.fresh(sb.id)
         if sb.spec.env:
             self._used_layers([ref for _, ref in sb.spec.env.refs()])
         await self.hooks.sandbox_created(info)

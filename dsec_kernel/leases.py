@@ -112,9 +112,8 @@ class Leases:
                 await self._set_power(info.tenant, info.name, "pause")
 
     async def _set_power(self, tenant: str, name: str, op: str) -> None:
-        want = ("ready",) if op == "pause" else ("paused",)
-        groups: dict[str, list[str]] = defaultdict(list)
-        for info in self._sandboxes(tenant, name, want if op == "pause" else ()):
+        groups: dict[str, list[str]] = defaultdict(list)  # resume: all (the edge filters)
+        for info in self._sandboxes(tenant, name, ("ready",) if op == "pause" else ()):
             groups[info.node].append(info.id)
         if not groups:
             return

@@ -215,11 +215,7 @@ class ClusterState:
     # -- jobs --------------------------------------------------------------------------------
 
     async def get_job(self, key: str) -> tuple[JobInfo, int] | None:
-        try:
-            entry = await self.jobs.get(key)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            return None
-        return JobInfo.model_validate_json(entry.value), entry.revision
+        return await _get(self.jobs, key, JobInfo.model_validate_json)
 
     async def cas_job(self, key: str, info: JobInfo, revision: int | None) -> int:
         """Write ``info`` if the record is still at ``revision`` (None: if there is none)."""
@@ -275,11 +271,7 @@ class ClusterState:
         return seqs
 
     async def get_sandbox(self, sandbox_id: str) -> tuple[SandboxInfo, int] | None:
-        try:
-            entry = await self.sandboxes.get(sandbox_id)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            return None
-        return SandboxInfo.model_validate_json(entry.value), entry.revision
+        return await _get(self.sandboxes, sandbox_id, SandboxInfo.model_validate_json)
 
     async def get_sandboxes(self, ids: list[str]) -> dict[str, tuple[SandboxInfo, int]]:
         """The records of ``ids`` that exist (read by key, 64 at a time)."""
@@ -329,3 +321,13 @@ class ClusterState:
         if node is None:
             return mirror.items
         return {k: v for k, v in mirror.items.items() if v[0].node == node}
+
+
+async def _get(kv: KeyValue, key: str, parse: Callable[[bytes], T]) -> tuple[T, int] | None:
+    """A record and its revision, or None if there is none (or it was deleted)."""
+    try:
+        entry = await kv.get(key)
+    except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+        return None
+    assert entry.value is not None and entry.revision is not None
+    return parse(entry.value), entry.revision

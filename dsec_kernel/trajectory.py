@@ -127,6 +127,10 @@ class Replays:
                 return done
         return None
 
+    def fresh(self, sandbox_id: str) -> None:
+        """A sandbox made by this edge: nothing ran in it before, no log to read back."""
+        self._ids.setdefault(sandbox_id, set())
+
     def begin(self, sandbox_id: str, request_id: str) -> asyncio.Future[ExecResult]:
         """Mark ``request_id`` as running in the sandbox (call right after :meth:`lookup`)."""
         fut: asyncio.Future[ExecResult] = asyncio.get_running_loop().create_future()
