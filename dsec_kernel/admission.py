@@ -239,10 +239,7 @@ class Admission:
             "pausing %d sandbox(es) of lower priority for a priority-%d request",
             len(victims), head.priority,
         )  # fmt: skip
-        groups: dict[str, list[str]] = defaultdict(list)
-        for info in victims:
-            groups[info.node].append(info.id)
-        task = asyncio.ensure_future(self.api.power("pause", groups, "priority"))
+        task = asyncio.ensure_future(self.api.power("pause", victims, "priority"))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -281,10 +278,7 @@ class Admission:
             if backend in waiting or room <= 0:
                 continue
             items.sort(key=lambda x: -x[0])
-            groups: dict[str, list[str]] = defaultdict(list)
-            for _, info in items[:room]:
-                groups[info.node].append(info.id)
-            await self.api.power("resume", groups, "priority")
+            await self.api.power("resume", [info for _, info in items[:room]], "priority")
 
 
 def _add(acc: list[float], n: float, cpus: float, mb: float) -> None:

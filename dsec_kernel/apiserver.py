@@ -88,6 +88,14 @@ class _Placed:
     ids: set[str] = field(default_factory=set)
 
 
+def ids_by_node(infos: list[SandboxInfo]) -> dict[str, list[str]]:
+    """Sandbox ids grouped by their node, in the order given."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for info in infos:
+        groups[info.node].append(info.id)
+    return groups
+
+
 def new_sandbox_id() -> str:
     return "sb-" + secrets.token_hex(8)
 
@@ -535,10 +543,7 @@ class ApiServer:
 
     async def _rollback(self, created: list[SandboxInfo]) -> None:
         """Destroy sandboxes of a create that failed as a whole."""
-        groups: dict[str, list[str]] = defaultdict(list)
-        for info in created:
-            groups[info.node].append(info.id)
-        for node, ids in groups.items():
+        for node, ids in ids_by_node(created).items():
             data = DestroyRequest(ids=ids).model_dump_json().encode()
             try:
                 await self._edge(node, "destroy", data, self.settings.edge_timeout_s)
@@ -565,10 +570,7 @@ class ApiServer:
         """
         assert self.state is not None
         done = [i.id for i in infos if i.state == "lost" or self.views.get(i.node) is None]
-        groups: dict[str, list[str]] = defaultdict(list)
-        for info in infos:
-            if info.id not in done:
-                groups[info.node].append(info.id)
+        groups = ids_by_node([i for i in infos if i.id not in done])
         error: errors.DsecError | None = None
 
         async def one(node: str, ids: list[str]) -> None:
@@ -714,13 +716,13 @@ class ApiServer:
             tenant = await self._auth(req)
             r = model.model_validate_json(req.data)
             out = PauseResponse()
-            groups: dict[str, list[str]] = defaultdict(list)
+            found: list[SandboxInfo] = []
             for sid in dict.fromkeys(r.ids):
                 try:
-                    groups[(await self._lookup(tenant, sid)).node].append(sid)
+                    found.append(await self._lookup(tenant, sid))
                 except errors.DsecError as exc:
                     out.failed.append(Failure(id=sid, error=exc.to_wire()))
-            replies = await self.power(op, groups, r.reason)
+            replies = await self.power(op, found, r.reason)
             for part in replies:
                 out.done += part.done
                 out.failed += part.failed
@@ -729,14 +731,14 @@ class ApiServer:
         return handle
 
     async def power(
-        self, op: str, groups: dict[str, list[str]], reason: str | None
+        self, op: str, infos: list[SandboxInfo], reason: str | None
     ) -> list[PauseResponse]:
-        """Pause or resume (``op``) each node's sandboxes, in batches; an edge that does
-        not answer fails its part."""
+        """Pause or resume (``op``) these sandboxes, one request per node and batch; an
+        edge that does not answer fails its part."""
         model = PauseRequest if op == "pause" else ResumeRequest
         batches = [
             (node, ids[i : i + MAX_BATCH])
-            for node, ids in groups.items()
+            for node, ids in ids_by_node(infos).items()
             for i in range(0, len(ids), MAX_BATCH)
         ]
 

@@ -481,10 +481,15 @@ class Edge:
             stdout=result.stdout[:cap], stderr=result.stderr[:cap],
             stdout_bytes=len(result.stdout), stderr_bytes=len(result.stderr),
         )  # fmt: skip
+        await self._append(info, rec)
+
+    async def _append(self, info: SandboxInfo, rec: CommandRecord) -> None:
+        """Add to the sandbox's trajectory; a failure is logged, the work done still
+        answered."""
         try:
             await self.trajectory.append(info.tenant, info.id, rec)
-        except Exception as exc:  # the command ran: its result still goes back
-            log.warning("could not log a command of %s in its trajectory: %s", info.id, exc)
+        except Exception as exc:
+            log.warning("could not log a %s of %s in its trajectory: %s", rec.kind, info.id, exc)
 
     async def _report(self, sandbox_id: str, result: ExecResult) -> None:
         if result.timed_out:
@@ -539,11 +544,8 @@ class Edge:
 
     async def _mark(self, info: SandboxInfo, kind: str, snapshot_id: str | None) -> None:
         """Log a snapshot or restore in the trajectory (a replay starts from the last one)."""
-        rec = CommandRecord(kind=kind, started_at=time.time(), snapshot_id=snapshot_id)
-        try:
-            await self.trajectory.append(info.tenant, info.id, rec)
-        except Exception as exc:
-            log.warning("could not log a %s of %s in its trajectory: %s", kind, info.id, exc)
+        await self._append(info, CommandRecord(kind=kind, started_at=time.time(),
+                                               snapshot_id=snapshot_id))  # fmt: skip
 
     async def _fs_diff(self, req: bus.Request) -> FsDiff:
         r = FsDiffRequest.model_validate_json(req.data)

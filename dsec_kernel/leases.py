@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from dsec_kernel import bus, errors
@@ -112,11 +111,8 @@ class Leases:
                 await self._set_power(info.tenant, info.name, "pause")
 
     async def _set_power(self, tenant: str, name: str, op: str) -> None:
-        groups: dict[str, list[str]] = defaultdict(list)  # resume: all (the edge filters)
-        for info in self._sandboxes(tenant, name, ("ready",) if op == "pause" else ()):
-            groups[info.node].append(info.id)
-        if not groups:
-            return
-        for part in await self.api.power(op, groups, "lease"):
+        # a resume goes to all of them: the edge resumes only those the lapse paused
+        infos = self._sandboxes(tenant, name, ("ready",) if op == "pause" else ())
+        for part in await self.api.power(op, infos, "lease"):
             for f in part.failed:
                 log.info("%s of %s (job %s) failed: %s", op, f.id, name, f.error.message)
