@@ -280,7 +280,7 @@ class AsyncClient:
     async def connect(self) -> AsyncClient:
         conn = resolve(self._url, self._token)
         self._headers = {bus.TOKEN_HEADER: conn.token}
-        self._lost = asyncio.Event()
+        self._lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._back = asyncio.Event()
         self._nc = await bus.connect(
             conn.url, name=self._name, disconnected_cb=self._on_lost, reconnected_cb=self._on_back
@@ -289,10 +289,11 @@ class AsyncClient:
 
     async def _on_lost(self) -> None:
         self._back.clear()
-        self._lost.set()
+        if not self._lost.done():
+            self._lost.set_result(None)  # every request waiting now learns of it
 
     async def _on_back(self) -> None:
-        self._lost.clear()
+        self._lost = asyncio.get_running_loop().create_future()  # for the requests to come
         self._back.set()
 
     async def close(self) -> None:
@@ -313,16 +314,12 @@ class AsyncClient:
         if self._nc is None:
             raise errors.Unavailable("the client is not connected; use `async with` or connect()")
         for _ in range(3):
-            lost = asyncio.ensure_future(self._lost.wait())
             send = bus.request(
                 self._nc, bus.api_subject(op), msg, reply,
                 timeout=timeout or self.timeout, headers=self._headers,
             )  # fmt: skip
             call = asyncio.ensure_future(send)
-            try:
-                await asyncio.wait({call, lost}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                lost.cancel()
+            await asyncio.wait({call, self._lost}, return_when=asyncio.FIRST_COMPLETED)
             if call.done():
                 return call.result()
             call.cancel()
