@@ -688,6 +688,7 @@ class ApiServer:
     async def _fncall(self, req: bus.Request) -> bytes:
         tenant = await self._auth(req)
         r = FncallRequest.model_validate_json(req.data)
+        r.tenant = tenant  # the edge shares fncall slots fairly between tenants
         if r.sandbox_id:
             node = (await self._lookup(tenant, r.sandbox_id)).node
         else:
@@ -705,7 +706,8 @@ class ApiServer:
             )
         self._fncall_inflight[node] += 1
         try:
-            return await self._edge(node, "fncall", req.data, r.timeout_s + EXEC_MARGIN_S)
+            data = r.model_dump_json().encode()
+            return await self._edge(node, "fncall", data, r.timeout_s + EXEC_MARGIN_S)
         finally:
             self._fncall_inflight[node] -= 1
 

@@ -20,6 +20,7 @@ checks them):
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -68,17 +69,26 @@ class NoConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _ignore_lost(sandbox_id: str, reason: str) -> None:
+    """The default :attr:`BackendContext.lost`: nobody is told."""
+
+
 @dataclass(frozen=True)
 class BackendContext:
     """What the edge hands a backend at start.
 
     ``state_dir`` is a directory private to this backend on this node; it survives edge
-    restarts. ``hooks`` is the facade over every loaded plugin's hooks.
+    restarts. ``hooks`` is the facade over every loaded plugin's hooks. ``lost(sandbox_id,
+    reason)`` is called (from the event loop) the moment a backend sees that a sandbox is
+    gone by itself (its init died, its VM crashed): the edge reports it lost at once and
+    destroys it, so what it held is released. ``reason`` is shown to its tenant: no host
+    PIDs or paths.
     """
 
     node: str
     state_dir: Path
     hooks: Hooks
+    lost: Callable[[str, str], None] = _ignore_lost
 
 
 class SandboxRef(BaseModel):
@@ -102,6 +112,7 @@ class ExecCall(BaseModel):
     max_output_bytes: int = Field(ge=0)
     limits: Limits = Field(default_factory=Limits)
     exec_id: str = ""
+    tenant: str = Field("", description="whose command it is (backends share slots fairly)")
 
 
 class SandboxStatus(BaseModel):

@@ -443,6 +443,7 @@ class Edge:
                 user=r.user,
                 stdin=r.stdin,
                 max_output_bytes=r.max_output_bytes,
+                tenant=info.tenant,
             )
             self.running_execs += 1
             started = time.time()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64sec_kernel/agent/agent.proto\x12\rdsec.agent.v1\"^\n\x06Limits\x12\x14\n\x0cmemory_bytes\x18\x01 \x01(\x04\x12\x11\n\tprocesses\x18\x02 \x01(\r\x12\x17\n\x0f\x66ile_size_bytes\x18\x03 \x01(\x04\x12\x12\n\nopen_files\x18\x04 \x01(\r\"\xb9\x02\n\x0b\x45xecRequest\x12\x0f\n\x07sandbox\x18\x01 \x01(\t\x12\x0f\n\x07\x65xec_id\x18\x02 \x01(\t\x12\x0c\n\x04\x61rgv\x18\x03 \x03(\t\x12\x10\n\x08language\x18\x04 \x01(\t\x12\x0c\n\x04\x63ode\x18\x05 \x01(\t\x12\x30\n\x03\x65nv\x18\x06 \x03(\x0b\x32#.dsec.agent.v1.ExecRequest.EnvEntry\x12\x0b\n\x03\x63wd\x18\x07 \x01(\t\x12\r\n\x05stdin\x18\x08 \x01(\x0c\x12\x11\n\ttimeout_s\x18\t \x01(\x01\x12\x18\n\x10max_output_bytes\x18\n \x01(\x04\x12%\n\x06limits\x18\x0b \x01(\x0b\x32\x15.dsec.agent.v1.Limits\x12\x0c\n\x04user\x18\x0c \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"}\n\x08\x45xecExit\x12\x11\n\texit_code\x18\x01 \x01(\x05\x12\x11\n\ttimed_out\x18\x02 \x01(\x08\x12\x11\n\ttruncated\x18\x03 \x01(\x08\x12\x12\n\nduration_s\x18\x04 \x01(\x01\x12\r\n\x05\x63pu_s\x18\x05 \x01(\x01\x12\x15\n\rmax_rss_bytes\x18\x06 \x01(\x04\"a\n\tExecEvent\x12\x10\n\x06stdout\x18\x01 \x01(\x0cH\x00\x12\x10\n\x06stderr\x18\x02 \x01(\x0cH\x00\x12\'\n\x04\x65xit\x18\x03 \x01(\x0b\x32\x17.dsec.agent.v1.ExecExitH\x00\x42\x07\n\x05\x65vent\"C\n\x0fReadFileRequest\x12\x0f\n\x07sandbox\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\tmax_bytes\x18\x03 \x01(\x04\" \n\x10ReadFileResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"M\n\x10WriteFileRequest\x12\x0f\n\x07sandbox\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04mode\x18\x04 \x01(\r\"!\n\x11WriteFileResponse\x12\x0c\n\x04size\x18\x01 \x01(\x04\"A\n\rSignalRequest\x12\x0f\n\x07sandbox\x18\x01 \x01(\t\x12\x0f\n\x07\x65xec_id\x18\x02 \x01(\t\x12\x0e\n\x06signal\x18\x03 \x01(\x05\"#\n\x0eSignalResponse\x12\x11\n\tdelivered\x18\x01 \x01(\r\"\x0f\n\rHealthRequest\"M\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\r\n\x05ready\x18\x04 \x01(\r2\xf2\x02\n\x05\x41gent\x12>\n\x04\x45xec\x12\x1a.dsec.agent.v1.ExecRequest\x1a\x18.dsec.agent.v1.ExecEvent0\x01\x12K\n\x08ReadFile\x12\x1e.dsec.agent.v1.ReadFileRequest\x1a\x1f.dsec.agent.v1.ReadFileResponse\x12N\n\tWriteFile\x12\x1f.dsec.agent.v1.WriteFileRequest\x1a .dsec.agent.v1.WriteFileResponse\x12\x45\n\x06Signal\x12\x1c.dsec.agent.v1.SignalRequest\x1a\x1d.dsec.agent.v1.SignalResponse\x12\x45\n\x06Health\x12\x1c.dsec.agent.v1.HealthRequest\x1a\x1d.dsec.agent.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64sec_kernel/agent/agent.proto\x12\rdsec.agent.v1\"^\n\x06Limits\x12\x14\n\x0cmemory_bytes\x18\x01 \x01(\x04\x12\x11\n\tprocesses\x18\x02 \x01(\r\x12\x17\n\x0f\x66ile_size_bytes\x18\x03 \x01(\x04\x12\x12\n\nopen_files\x18\x04 \x01(\r\"\xc9\x02\n\x0b\x45xecRequest\x12\x0f\n\x07sandbox\x18\x01 \x01(\t\x12\x0f\n\x07\x65xec_id\x18\x02 \x01(\t\x12\x0c\n\x04\x61rgv\x18\x03 \x03(\t\x12\x10\n\x08language\x18\x04 \x01(\t\x12\x0c\n\x04\x63ode\x18\x05 \x01(\t\x12\x30\n\x03\x65nv\x18\x06 \x03(\x0b\x32#.dsec.agent.v1.ExecRequest.EnvEntry\x12\x0b\n\x03\x63wd\x18\x07 \x01(\t\x12\r\n\x05stdin\x18\x08 \x01(\x0c\x12\x11\n\ttimeout_s\x18\t \x01(\x01\x12\x18\n\x10max_output_bytes\x18\n \x01(\x04\x12%\n\x06limits\x18\x0b \x01(\x0b\x32\x15.dsec.agent.v1.Limits\x12\x0c\n\x04user\x18\x0c \x01(\t\x12\x0e\n\x06tenant\x18\r \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"}\n\x08\x45xecExit\x12\x11\n\texit_code\x18\x01 \x01(\x05\x12\x11\n\ttimed_out\x18\x02 \x01(\x08\x12\x11\n\ttruncated\x18\x03 \x01(\x08\x12\x12\n\nduration_s\x18\x04 \x01(\x01\x12\r\n\x05\x63pu_s\x18\x05 \x01(\x01\x12\x15\n\rmax_rss_bytes\x18\x06 \x01(\x04\"a\n\tExecEvent\x12\x10\n\x06stdout\x18\x01 \x01(\x0cH\x00\x12\x10\n\x06stderr\x18\x02 \x01(\x0cH\x00\x12\'\n\x04\x65xit\x18\x03 \x01(\x0b\x32\x17.dsec.agent.v1.ExecExitH\x00\x42\x07\n\x05\x65vent\"C\n\x0fReadFileRequest\x12\x0f\n\x07sandbox\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\tmax_bytes\x18\x03 \x01(\x04\" \n\x10ReadFileResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"M\n\x10WriteFileRequest\x12\x0f\n\x07sandbox\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04mode\x18\x04 \x01(\r\"!\n\x11WriteFileResponse\x12\x0c\n\x04size\x18\x01 \x01(\x04\"A\n\rSignalRequest\x12\x0f\n\x07sandbox\x18\x01 \x01(\t\x12\x0f\n\x07\x65xec_id\x18\x02 \x01(\t\x12\x0e\n\x06signal\x18\x03 \x01(\x05\"#\n\x0eSignalResponse\x12\x11\n\tdelivered\x18\x01 \x01(\r\"\x0f\n\rHealthRequest\"M\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\r\n\x05ready\x18\x04 \x01(\r2\xf2\x02\n\x05\x41gent\x12>\n\x04\x45xec\x12\x1a.dsec.agent.v1.ExecRequest\x1a\x18.dsec.agent.v1.ExecEvent0\x01\x12K\n\x08ReadFile\x12\x1e.dsec.agent.v1.ReadFileRequest\x1a\x1f.dsec.agent.v1.ReadFileResponse\x12N\n\tWriteFile\x12\x1f.dsec.agent.v1.WriteFileRequest\x1a .dsec.agent.v1.WriteFileResponse\x12\x45\n\x06Signal\x12\x1c.dsec.agent.v1.SignalRequest\x1a\x1d.dsec.agent.v1.SignalResponse\x12\x45\n\x06Health\x12\x1c.dsec.agent.v1.HealthRequest\x1a\x1d.dsec.agent.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,29 +36,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LIMITS']._serialized_start=48
   _globals['_LIMITS']._serialized_end=142
   _globals['_EXECREQUEST']._serialized_start=145
-  _globals['_EXECREQUEST']._serialized_end=458
-  _globals['_EXECREQUEST_ENVENTRY']._serialized_start=416
-  _globals['_EXECREQUEST_ENVENTRY']._serialized_end=458
-  _globals['_EXECEXIT']._serialized_start=460
-  _globals['_EXECEXIT']._serialized_end=585
-  _globals['_EXECEVENT']._serialized_start=587
-  _globals['_EXECEVENT']._serialized_end=684
-  _globals['_READFILEREQUEST']._serialized_start=686
-  _globals['_READFILEREQUEST']._serialized_end=753
-  _globals['_READFILERESPONSE']._serialized_start=755
-  _globals['_READFILERESPONSE']._serialized_end=787
-  _globals['_WRITEFILEREQUEST']._serialized_start=789
-  _globals['_WRITEFILEREQUEST']._serialized_end=866
-  _globals['_WRITEFILERESPONSE']._serialized_start=868
-  _globals['_WRITEFILERESPONSE']._serialized_end=901
-  _globals['_SIGNALREQUEST']._serialized_start=903
-  _globals['_SIGNALREQUEST']._serialized_end=968
-  _globals['_SIGNALRESPONSE']._serialized_start=970
-  _globals['_SIGNALRESPONSE']._serialized_end=1005
-  _globals['_HEALTHREQUEST']._serialized_start=1007
-  _globals['_HEALTHREQUEST']._serialized_end=1022
-  _globals['_HEALTHRESPONSE']._serialized_start=1024
-  _globals['_HEALTHRESPONSE']._serialized_end=1101
-  _globals['_AGENT']._serialized_start=1104
-  _globals['_AGENT']._serialized_end=1474
+  _globals['_EXECREQUEST']._serialized_end=474
+  _globals['_EXECREQUEST_ENVENTRY']._serialized_start=432
+  _globals['_EXECREQUEST_ENVENTRY']._serialized_end=474
+  _globals['_EXECEXIT']._serialized_start=476
+  _globals['_EXECEXIT']._serialized_end=601
+  _globals['_EXECEVENT']._serialized_start=603
+  _globals['_EXECEVENT']._serialized_end=700
+  _globals['_READFILEREQUEST']._serialized_start=702
+  _globals['_READFILEREQUEST']._serialized_end=769
+  _globals['_READFILERESPONSE']._serialized_start=771
+  _globals['_READFILERESPONSE']._serialized_end=803
+  _globals['_WRITEFILEREQUEST']._serialized_start=805
+  _globals['_WRITEFILEREQUEST']._serialized_end=882
+  _globals['_WRITEFILERESPONSE']._serialized_start=884
+  _globals['_WRITEFILERESPONSE']._serialized_end=917
+  _globals['_SIGNALREQUEST']._serialized_start=919
+  _globals['_SIGNALREQUEST']._serialized_end=984
+  _globals['_SIGNALRESPONSE']._serialized_start=986
+  _globals['_SIGNALRESPONSE']._serialized_end=1021
+  _globals['_HEALTHREQUEST']._serialized_start=1023
+  _globals['_HEALTHREQUEST']._serialized_end=1038
+  _globals['_HEALTHRESPONSE']._serialized_start=1040
+  _globals['_HEALTHRESPONSE']._serialized_end=1117
+  _globals['_AGENT']._serialized_start=1120
+  _globals['_AGENT']._serialized_end=1490
 # @@protoc_insertion_point(module_scope)

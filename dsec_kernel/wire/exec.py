@@ -151,6 +151,7 @@ class FncallRequest(Message):
     sandbox_id: str | None = Field(
         None, pattern=SANDBOX_ID_PATTERN, description="run with this sandbox's files"
     )
+    tenant: str | None = Field(None, description="set by the apiserver")
 
 
 class WriteFileRequest(Message):

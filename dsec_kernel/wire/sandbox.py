@@ -44,6 +44,9 @@ class Limits(BaseModel):
     memory_mb: int | None = Field(None, ge=16, le=1 << 20, description="memory limit")
     pids: int | None = Field(None, ge=1, le=1 << 16, description="most processes at once")
     file_size_mb: int | None = Field(None, ge=1, le=1 << 20, description="largest file written")
+    disk_mb: int | None = Field(
+        None, ge=16, le=1 << 24, description="what the sandbox's files may take on the node's disk"
+    )
 
 
 LayerRef = Annotated[
