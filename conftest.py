@@ -54,7 +54,11 @@ def links_and_swaps() -> set[str]:
 
 
 def mounts() -> set[str]:
-    return set(Path("/proc/self/mounts").read_text().splitlines())
+    """Mount points with their source and type (options may change under a test: the
+    container backend turns on favordynmods on the cgroup2 mount)."""
+    return {
+        " ".join(line.split()[:3]) for line in Path("/proc/self/mounts").read_text().splitlines()
+    }
 
 
 def cgroups() -> set[str]:
@@ -63,7 +67,15 @@ def cgroups() -> set[str]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_leaks():
+def hermetic():
+    """Tests see no DSEC_* setting of the caller's environment."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("DSEC_")}
+    yield
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaks(hermetic):
     """Fail the session if it leaves processes, mounts, cgroups, netns, network interfaces
     or swap devices behind."""
     before = (set(our_processes()), mounts(), netns_entries(), cgroups(), links_and_swaps())

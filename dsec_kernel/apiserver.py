@@ -564,12 +564,18 @@ class ApiServer:
         return out
 
     async def destroy_sandboxes(self, infos: list[SandboxInfo]) -> list[str]:
-        """Destroy on their edges (lost ones need no edge), then delete the records.
+        """Destroy on their edges (those lost with their node need none), then delete the
+        records.
 
         Raises the first edge error after deleting what was destroyed; retrying is safe.
         """
         assert self.state is not None
-        done = [i.id for i in infos if i.state == "lost" or self.views.get(i.node) is None]
+
+        def edgeless(i: SandboxInfo) -> bool:  # lost on a node that is up: its edge cleans up
+            view = self.views.get(i.node)
+            return view is None or (i.state == "lost" and view.info.state != "up")
+
+        done = [i.id for i in infos if edgeless(i)]
         groups = ids_by_node([i for i in infos if i.id not in done])
         error: errors.DsecError | None = None
 
