@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 
-apt_packages=(libseccomp2 iproute2 procps erofs-utils busybox-static debootstrap gcc libc6-dev iptables
+apt_packages=(libseccomp2 iproute2 procps erofs-utils btrfs-progs busybox-static debootstrap gcc libc6-dev iptables
               bubblewrap crun)
 missing=()
 for p in "${apt_packages[@]}"; do

@@ -210,9 +210,10 @@ class Backend(abc.ABC):
         """Make a snapshot a layer in the layer store."""
         raise errors.Unsupported(f"the {self.name} backend cannot publish layers")
 
-    async def prestage(self, layers: list[str]) -> list[str]:
-        """Make these layers (``name:version``) ready on this node ahead of sandboxes that
-        will use them; returns those it staged (a backend without layers stages none)."""
+    async def prestage(self, layers: list[str], tenant: str | None = None) -> list[str]:
+        """Make these layers (``name:version``, as ``tenant`` sees them: its own and public
+        ones) ready on this node ahead of sandboxes that will use them; returns those it
+        staged (a backend without layers stages none)."""
         return []
 
     async def pause(self, ref: SandboxRef) -> PauseReport:

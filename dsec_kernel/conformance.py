@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import ClassVar
@@ -50,11 +50,17 @@ __all__ = ["BackendConformance", "started"]
 
 @asynccontextmanager
 async def started(
-    backend: Backend, state_dir: Path, node: str = "conformance"
+    backend: Backend,
+    state_dir: Path,
+    node: str = "conformance",
+    lost: Callable[[str, str], None] | None = None,
 ) -> AsyncIterator[Backend]:
-    """Start ``backend`` with a private state directory; close it afterwards."""
+    """Start ``backend`` with a private state directory (``lost``: see
+    :attr:`BackendContext.lost`); close it afterwards."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    await backend.start(BackendContext(node, state_dir, Hooks.load(plugins=[backend])))
+    hooks = Hooks.load(plugins=[backend])
+    ctx = BackendContext(node, state_dir, hooks, **({"lost": lost} if lost else {}))
+    await backend.start(ctx)
     try:
         yield backend
     finally:

@@ -152,6 +152,7 @@ class Edge:
         self._tasks: list[asyncio.Task[None]] = []
         self._create_slots = {n: asyncio.Semaphore(settings.create_concurrency) for n in backends}
         self._started_backends: list[Backend] = []
+        self._reporting: set[asyncio.Task[None]] = set()  # lost sandboxes being reported
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -164,7 +165,7 @@ class Edge:
             state_dir = self.settings.state_dir / "backends" / name
             state_dir.mkdir(parents=True, exist_ok=True)
             try:
-                await backend.start(BackendContext(self.node, state_dir, self.hooks))
+                await backend.start(BackendContext(self.node, state_dir, self.hooks, self._lost))
             except Exception as exc:
                 await self._close_backends()
                 raise PluginLoadError(f"backend {name!r} failed to start: {exc}") from exc
@@ -211,6 +212,8 @@ class Edge:
                 await t
         if self._drain is not None:
             await self._drain()
+        if self._reporting:
+            await asyncio.wait(set(self._reporting), timeout=10)
         await self._close_backends()
 
     async def _close_backends(self) -> None:
@@ -398,6 +401,12 @@ class Edge:
         await asyncio.gather(
             *(self._destroy_one(i, info.backend, info, "requested") for i, info in found if info)
         )
+        # ids this edge does not know may still hold something in a backend (one lost while
+        # its report was on its way, say): every backend's destroy is idempotent
+        unknown = [i for i, info in found if info is None]
+        await asyncio.gather(
+            *(b.destroy(SandboxRef(sandbox_id=i)) for i in unknown for b in self.backends.values())
+        )
         for i, info in found:
             (out.destroyed if info else out.not_found).append(i)
         return out
@@ -410,6 +419,33 @@ class Edge:
         self.replays.forget(sandbox_id)
         if info is not None:
             await self.hooks.sandbox_destroyed(info, reason)
+
+    def _lost(self, sandbox_id: str, reason: str) -> None:
+        """BackendContext.lost: a backend saw a sandbox end by itself."""
+        task = asyncio.get_running_loop().create_task(self._report_lost(sandbox_id, reason))
+        self._reporting.add(task)
+        task.add_done_callback(self._reporting.discard)
+
+    async def _report_lost(self, sandbox_id: str, reason: str) -> None:
+        """Record the sandbox lost at once, then destroy it, so that what it held (files,
+        cgroups, layer holds) is released now rather than when its tenant destroys it."""
+        info = self.sandboxes.get(sandbox_id)
+        if info is None:
+            return
+        log.warning("sandbox %s is lost: %s", sandbox_id, reason)
+        self._remove(sandbox_id)
+        self.replays.forget(sandbox_id)
+        assert self.state is not None
+        try:
+            await self.state.set_sandbox_state(sandbox_id, "lost")
+        except errors.DsecError as exc:  # reconciliation reports it later
+            log.warning("could not record %s lost: %s", sandbox_id, exc)
+        try:
+            await self.backends[info.backend].destroy(SandboxRef(sandbox_id=sandbox_id))
+        except Exception:
+            log.exception("destroying lost sandbox %s failed", sandbox_id)
+        await self.hooks.guard_event(sandbox_id, "sandbox_lost", {"reason": reason})
+        await self.hooks.sandbox_destroyed(info, "lost")
 
     async def _exec(self, req: bus.Request) -> ExecResponse:
         r = ExecRequest.model_validate_json(req.data)
@@ -645,7 +681,7 @@ class Edge:
         r = PrestageRequest.model_validate_json(req.data)
         staged: list[str] = []
         for backend in self.backends.values():
-            staged += await backend.prestage(list(r.layers))
+            staged += await backend.prestage(list(r.layers), r.tenant)
         if not staged:
             raise errors.Unsupported(f"no backend on {self.node} uses layers")
         self._used_layers(staged)

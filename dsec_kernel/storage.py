@@ -5,6 +5,17 @@ the digest of the image, with a kind (``base``: OS and runtimes; ``workspace``: 
 repository's files; ``toolkit``: harness and tools), a name and a version. An environment is
 ``base + workspace + toolkits``, composed when a sandbox starts.
 
+Layers belong to someone. A *public* layer (``tenant`` None) is imported by the operator
+(``dsec layer import``) and every tenant may run it; a tenant's layer (a snapshot it published,
+or one imported on its behalf) lives in that tenant's own namespace, so tenants' names never
+collide and no tenant can see, run, shadow or squat another's. Resolving as a tenant finds a
+public layer first, then the tenant's own: a ``name:version`` that is public means the same
+image for everyone, so a trainer naming ``debian:12`` always gets the operator's ``debian:12``
+whatever its own jobs published (a tenant cannot import a public name; a tenant's layer that a
+later operator import makes public is shadowed, never the other way round). A layer that is
+not visible is NotFound with the same message as one that does not exist. Images are shared
+by content whoever owns the records; holds, pins and snapshots are per digest.
+
 The store has a *catalog* (layers, their images, snapshots) on a filesystem every node can
 reach (3FS, CephFS, NFS... or a local directory on one machine) and a *node side*: each node
 mounts the images it needs directly from the store path, once per node, and caches metadata
@@ -22,6 +33,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_kernel.backend import NoConfig
+from dsec_kernel.wire.base import NAME_PATTERN
 
 __all__ = ["KINDS", "GcReport", "Layer", "LayerStore", "LayerUsage", "Progress", "open_store"]
 
@@ -43,6 +55,12 @@ class Layer(BaseModel):
     files: int = Field(0, ge=0, description="entries in the filesystem")
     created_at: float = 0.0
     source: str = Field("", description="where it was imported from")
+    tenant: str | None = Field(
+        None,
+        pattern=NAME_PATTERN,
+        description="the owner; None: public (imported by the operator, and records older "
+        "than owners)",
+    )
 
     @property
     def ref(self) -> str:
@@ -79,30 +97,48 @@ class LayerStore(abc.ABC):
 
     @abc.abstractmethod
     def import_layer(
-        self, source: str, kind: Kind, name: str, version: str, progress: Progress | None = None
+        self,
+        source: str,
+        kind: Kind,
+        name: str,
+        version: str,
+        progress: Progress | None = None,
+        *,
+        tenant: str | None = None,
     ) -> Layer:
         """Build a layer from a directory, a tar / tar.gz, or an OCI image layout (its layers
-        flattened in order, whiteouts applied) and add it to the catalog. Importing the same
-        name:version again with different content is a Conflict; with the same content, a
-        no-op returning the existing record. Nothing is left behind on failure."""
+        flattened in order, whiteouts applied) and add it to the catalog: public when
+        ``tenant`` is None, else in that tenant's namespace. Importing the same name:version
+        (in the same namespace) again with different content is a Conflict; with the same
+        content, a no-op returning the existing record. A tenant's import of a name:version
+        that is public is a Conflict. Nothing is left behind on failure."""
 
     @abc.abstractmethod
-    def list_layers(self) -> list[Layer]:
-        """Every layer in the catalog."""
+    def list_layers(self, tenant: str | None = None) -> list[Layer]:
+        """What ``tenant`` may use (the public layers and its own); None: every layer of
+        every owner (the operator's view)."""
 
     @abc.abstractmethod
-    def resolve(self, name: str, version: str, kind: Kind | None = None) -> Layer:
-        """The layer ``name:version`` (of ``kind`` when given); NotFound otherwise."""
+    def resolve(
+        self, name: str, version: str, kind: Kind | None = None, *, tenant: str | None = None
+    ) -> Layer:
+        """The layer ``name:version`` (of ``kind`` when given) as ``tenant`` sees it: the
+        public one, else the tenant's own (None: public only). NotFound otherwise, with a
+        message that says nothing of other tenants' layers."""
 
     @abc.abstractmethod
-    def remove(self, name: str, version: str, force: bool = False) -> Layer:
-        """Remove ``name:version`` from the catalog; Conflict (naming the holders) while any
-        sandbox holds it, unless ``force`` (for holders on nodes that are gone). The image
-        itself goes at the next :meth:`gc` if nothing else names it."""
+    def remove(
+        self, name: str, version: str, force: bool = False, *, tenant: str | None = None
+    ) -> Layer:
+        """Remove ``name:version`` of ``tenant`` (None: the public one; never falls back from
+        one namespace to the other) from the catalog; Conflict (naming the holders) while any
+        sandbox holds its image and no other record names it, unless ``force`` (for holders
+        on nodes that are gone). The image itself goes at the next :meth:`gc` if nothing
+        else names it."""
 
     @abc.abstractmethod
     def gc(self) -> GcReport:
-        """Delete images no layer names and nothing holds."""
+        """Delete images no layer of any owner names and nothing holds."""
 
     @abc.abstractmethod
     def image_path(self, digest: str) -> Path:

@@ -20,6 +20,7 @@ class PrestageRequest(Message):
     type: Literal["io.dsec.layer.v1.prestage_request"] = "io.dsec.layer.v1.prestage_request"
     layers: list[LayerRef] = Field(min_length=1, max_length=64)
     pool: Name | None = None
+    tenant: Name | None = Field(None, description="set by the apiserver")
 
 
 class PrestageResponse(Message):

@@ -1,12 +1,14 @@
 """The container backend: a full Linux userland per sandbox, on shared read-only layers.
 
 Each sandbox is one tiny native init (``csrc/dsec-sandbox.c``) that is PID 1 of its own PID,
-mount, UTS, IPC and network namespaces, with an overlay root: the environment's EROFS layers
-(mounted once per node from the layer store) and its snapshots' deltas below, a writable
-upper on local disk above. cgroups (v1) give it a CPU quota and shares, a memory and a
-process limit, and a freezer. Commands enter those namespaces through the same helper,
-with a container capability set, no_new_privs and a seccomp filter. No Python process
-stays per sandbox; an idle one costs its init and kernel objects.
+mount, UTS, IPC and network namespaces, in a user namespace of its own: root in a sandbox is
+an unprivileged host uid of a range no other sandbox has (:mod:`.userns`). Its root is an
+overlay: the environment's EROFS layers (mounted once per node from the layer store) and its
+snapshots' deltas below, a writable upper above on a btrfs subvolume with a disk quota
+(:mod:`.upperfs`), all idmapped into its user namespace. cgroups (v1) give it a CPU quota
+and shares, a memory and a process limit, and a freezer. Commands and file operations enter
+it through the same helper, by the init's pidfd (:mod:`.inits`), as the sandbox's own users.
+No Python process stays per sandbox; an idle one costs its init and kernel objects.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import hashlib
 import logging
 import os
 import re
+import resource
 import secrets
 import select
 import shutil
@@ -28,10 +31,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec_backend_container.files import read_file, write_file
 from dsec_backend_container.fsdiff import diff
 from dsec_backend_container.helper import Helper, compiler
-from dsec_backend_container.layout import Meta, SandboxDir, Trash, process_start
+from dsec_backend_container.inits import Inits, process_start
+from dsec_backend_container.layout import Meta, SandboxDir, Trash, delete_tree
 from dsec_backend_container.network import Egress
 from dsec_backend_container.overlay import apply
 from dsec_backend_container.reclaim import (
@@ -44,6 +47,8 @@ from dsec_backend_container.reclaim import (
 )
 from dsec_backend_container.seccomp import write_profile
 from dsec_backend_container.snapshots import Snapshots
+from dsec_backend_container.upperfs import UpperFs
+from dsec_backend_container.userns import UidRanges
 from dsec_kernel import errors
 from dsec_kernel.backend import (
     Backend,
@@ -101,7 +106,14 @@ class ContainerConfig(BaseModel):
     memory_mb: int = Field(2048, ge=16, description="default memory limit")
     pids: int = Field(1024, ge=8, description="default process limit")
     cpus: float | None = Field(None, gt=0, description="default CPU quota (None: shares only)")
+    disk_mb: int = Field(10240, ge=16, description="default disk quota of a sandbox's files")
     upper_root: Path | None = Field(None, description="where writable layers go (local disk)")
+    upper_fs_gb: float = Field(
+        0,
+        ge=0,
+        description="size of the btrfs image made when upper_root is not on btrfs "
+        "(0: nine tenths of the free space; sparse)",
+    )
     hostname: str = "sandbox"
     snapshot_max_depth: int = Field(16, ge=2)
     snapshot_grace_s: float = Field(60.0, ge=0)
@@ -133,10 +145,12 @@ class ContainerBackend(Backend):
             "uts",
             "ipc",
             "net",
+            "user",
             "overlay",
             "cgroups",
             "capabilities",
             "seccomp",
+            "disk-quota",
         ],
         max_sandboxes=3200,
     )
@@ -148,6 +162,7 @@ class ContainerBackend(Backend):
             update={"max_sandboxes": self.config.max_sandboxes}
         )
         self.metas: dict[str, Meta] = {}
+        self.lost: set[str] = set()  # sandboxes whose init ended by itself
         self._staged: set[str] = set()  # digests mounted ahead of use (prestage)
         self._locks: dict[str, asyncio.Lock] = {}
         self._gc: asyncio.Task[None] | None = None
@@ -164,6 +179,10 @@ class ContainerBackend(Backend):
             return f"needs cgroup v1 {', '.join(CONTROLLERS)} hierarchies"
         if compiler() is None:
             return "needs a C compiler to build its helper (apt-get install gcc)"
+        if "btrfs" not in fs:
+            return "the kernel has no btrfs filesystem (sandboxes' disk quotas)"
+        if shutil.which("mkfs.btrfs") is None:
+            return "needs btrfs-progs for sandboxes' disk quotas (apt-get install btrfs-progs)"
         return None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -171,6 +190,7 @@ class ContainerBackend(Backend):
     async def start(self, ctx: BackendContext) -> None:
         self.node = ctx.node
         self.state_dir = ctx.state_dir
+        self._report_lost = ctx.lost
         settings = StorageSettings()
         storage = self.config.storage or settings.storage
         store_config = dict(
@@ -181,9 +201,14 @@ class ContainerBackend(Backend):
         if storage == "3fs":  # its mounts are this node's: keep them with this edge's state
             store_config.setdefault("cache_dir", str(ctx.state_dir / "layer-cache"))
         self.store: LayerStore = open_store(storage, store_config)
+        _raise_open_files_limit()  # one pidfd per sandbox
         self.root = self.config.upper_root or ctx.state_dir / "sandboxes"
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.trash = Trash(self.root / ".trash")
+        size = int(self.config.upper_fs_gb * (1 << 30))
+        self.fs = await asyncio.to_thread(
+            UpperFs(self.root, ctx.state_dir / "sandboxes.btrfs", size).open
+        )
+        os.chmod(self.root, 0o700)
+        self.trash = Trash(self.root / ".trash", delete_tree(self.fs))
         self.helper = await asyncio.to_thread(Helper, ctx.state_dir / "bin")
         self.seccomp = write_profile(
             ctx.state_dir / "seccomp.bpf", ctx.hooks.guard_syscalls(self.name)
@@ -191,6 +216,8 @@ class ContainerBackend(Backend):
         parents = {c: d for c, d in v1_controllers().items() if c in CONTROLLERS}
         own = hashlib.sha256(str(ctx.state_dir.resolve()).encode()).hexdigest()[:12]
         self.cgroups = Group.under(parents, f"dsec-container-{own}").create()
+        self.uids = UidRanges(own)
+        self.inits = Inits(self._init_ended)
         if why := favor_dynamic_changes():
             log.warning("starting a sandbox waits for an RCU grace period: %s", why)
         self.snapshots = Snapshots(
@@ -201,14 +228,16 @@ class ContainerBackend(Backend):
         self.egress = Egress(self.config.egress_subnet, self.config.egress_bridge)
         self.swap = ZramSwap(self.config.zram_size_mb)
         held = await asyncio.to_thread(self.store.adopt, self.node)
-        await asyncio.to_thread(self._adopt, held)
+        for sandbox_id, pidfd in await asyncio.to_thread(self._adopt, held):
+            self.inits.watch(sandbox_id, pidfd)
         self._gc = asyncio.create_task(self._collect())
 
     async def close(self) -> None:
-        """Sandboxes stay (a restarted edge adopts them); an empty cgroup parent and an
-        unused egress bridge go."""
+        """Sandboxes stay (a restarted edge adopts them); an empty cgroup parent, an unused
+        egress bridge and the sandboxes' filesystem, if nothing is left on it, go."""
         if self._gc is not None:
             self._gc.cancel()
+        self.inits.close()
         await asyncio.to_thread(self.trash.close)
         await asyncio.to_thread(self.egress.close)
         await asyncio.to_thread(self._drop_swap)
@@ -217,10 +246,13 @@ class ContainerBackend(Backend):
         self._staged.clear()
         if not self.metas:
             await asyncio.to_thread(self.cgroups.remove)
+            await asyncio.to_thread(self.fs.close)
 
-    def _adopt(self, held: dict[str, list[str]]) -> None:
-        """After a restart: keep sandboxes whose init still runs; clean up the others, and
-        what a create cut short left (a cgroup, holds on layers and snapshots)."""
+    def _adopt(self, held: dict[str, list[str]]) -> list[tuple[str, int]]:
+        """After a restart: keep sandboxes whose init still runs (returns their pidfds);
+        clean up the others, and what a create cut short left (a cgroup, holds on layers and
+        snapshots, a uid range)."""
+        kept: list[tuple[str, int]] = []
         for d in self.root.iterdir():
             if not _ID.match(d.name):
                 continue
@@ -228,15 +260,19 @@ class ContainerBackend(Backend):
             try:
                 meta = sd.read()
             except (OSError, ValueError):
-                self._cleanup(sd, None)
+                self._cleanup(sd, None, None)
                 continue
-            if meta.alive():
+            pidfd = Inits.open(meta.init_pid, meta.init_start) if meta.init_pid else None
+            if pidfd is not None and meta.uid_base:
                 self.metas[meta.id] = meta
+                kept.append((meta.id, pidfd))
                 if meta.address:
                     self.egress.used.add(meta.address)
             else:
-                log.warning("sandbox %s lost its init while the edge was down; removing it", d.name)
-                self._cleanup(sd, meta)
+                why = "ran without a user namespace (an older DSec)" if pidfd else "lost its init"
+                log.warning("sandbox %s %s while the edge was down; removing it", d.name, why)
+                self._cleanup(sd, meta, pidfd)
+        self.uids.adopt({i: m.uid_base for i, m in self.metas.items()})
         for leftover in self.cgroups.dirs["memory"].iterdir():
             if leftover.is_dir() and leftover.name not in self.metas:
                 Group.under(self.cgroups.dirs, leftover.name).remove(kill=True)
@@ -247,6 +283,7 @@ class ContainerBackend(Backend):
         self.snapshots.drop_holders(
             self._snap_holder(""), keep={self._snap_holder(i) for i in self.metas}
         )
+        return kept
 
     async def _collect(self) -> None:
         while True:
@@ -264,10 +301,29 @@ class ContainerBackend(Backend):
         return self._locks.setdefault(sandbox_id, asyncio.Lock())
 
     def _meta(self, sandbox_id: str) -> Meta:
+        """The sandbox's record; NotFound if unknown, SandboxLost if its init has ended."""
         meta = self.metas.get(sandbox_id)
         if meta is None:
             raise errors.NotFound(f"no container sandbox {sandbox_id} on this node")
+        if sandbox_id in self.lost:
+            raise errors.SandboxLost(
+                f"sandbox {sandbox_id} is lost: its init ended; destroy it and create another"
+            )
         return meta
+
+    def _pidfd(self, sandbox_id: str) -> int:
+        """A duplicate of the init's pidfd for one operation (the caller closes it): taken on
+        the event loop, so a destroy meanwhile cannot hand its number to another process."""
+        return os.dup(self.inits.pidfd(sandbox_id))
+
+    def _init_ended(self, sandbox_id: str) -> None:
+        """An init ended by itself (it cannot be killed from inside: the host did, or it
+        crashed): the sandbox is lost at once, and the edge has it destroyed."""
+        if sandbox_id not in self.metas or sandbox_id in self.lost:
+            return
+        log.warning("the init of sandbox %s ended; reporting it lost", sandbox_id)
+        self.lost.add(sandbox_id)
+        self._report_lost(sandbox_id, "its init process ended")
 
     def _holder(self, sandbox_id: str) -> str:
         """The sandbox as a holder of layers."""
@@ -288,14 +344,18 @@ class ContainerBackend(Backend):
             raise errors.Conflict(f"sandbox {sandbox.id} already exists")
         async with self._lock(sandbox.id):
             try:
-                meta = await asyncio.to_thread(self._create, sandbox)
+                meta, pidfd = await asyncio.to_thread(self._create, sandbox)
             except OSError as exc:
-                if exc.errno == errno.ENOSPC:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise errors.CapacityExceeded(
-                        f"the node's disk for sandboxes is full ({self.root}); retry elsewhere"
+                        "the node's disk for sandboxes is full; retry elsewhere"
                     ) from None
-                raise errors.Unavailable(f"cannot create {sandbox.id}: {exc}") from None
-        self.metas[sandbox.id] = meta
+                log.exception("creating %s failed", sandbox.id)
+                raise errors.Unavailable(
+                    f"cannot create {sandbox.id}: {exc.strerror or exc}; retry"
+                ) from None
+            self.metas[sandbox.id] = meta
+            self.inits.watch(sandbox.id, pidfd)
         return SandboxStatus(sandbox_id=sandbox.id, state="ready")
 
     def _layers_for(self, sandbox: EdgeSandbox) -> tuple[list[str], list[str]]:
@@ -310,10 +370,11 @@ class ContainerBackend(Backend):
                 "from; `dsec layer ls` lists the layers"
             )
         return [
-            self.store.resolve(*ref.split(":", 1), kind).digest for kind, ref in spec.env.refs()
+            self.store.resolve(*ref.split(":", 1), kind, tenant=sandbox.tenant).digest
+            for kind, ref in spec.env.refs()
         ], []
 
-    def _create(self, sandbox: EdgeSandbox) -> Meta:
+    def _create(self, sandbox: EdgeSandbox) -> tuple[Meta, int]:
         spec = sandbox.spec
         sd = SandboxDir(self.root, sandbox.id)
         holder = self._holder(sandbox.id)
@@ -321,37 +382,44 @@ class ContainerBackend(Backend):
         meta = None
         try:
             layers, chain = self._layers_for(sandbox)
-            sd.create()
+            meta = Meta(
+                id=sandbox.id, tenant=sandbox.tenant, created_at=sandbox.created_at,
+                layers=layers, chain=chain, origin=chain, limits=spec.limits,
+                network=spec.network, last_snapshot=chain[0] if chain else None,
+                uid_base=self.uids.claim(sandbox.id),
+                disk_bytes=(spec.limits.disk_mb or self.config.disk_mb) << 20,
+            )  # fmt: skip
             if chain:
                 self.snapshots.hold(chain[0], self._snap_holder(sandbox.id))
             lowers = self.snapshots.deltas(chain)
             for digest in layers:
                 lowers.append(self.store.mount(digest, holder))
                 mounted.append(digest)
+            sd.create(self.fs, meta.disk_bytes, len(lowers))
             self._limit(sandbox.id, spec.limits)
-            meta = Meta(
-                id=sandbox.id, tenant=sandbox.tenant, created_at=sandbox.created_at,
-                layers=layers, chain=chain, origin=chain, limits=spec.limits,
-                network=spec.network, last_snapshot=chain[0] if chain else None,
-            )  # fmt: skip
             if spec.network == "egress":
                 meta.address = self.egress.create(sandbox.id, sd.path / "netns")
-            self._start_init(meta, sd, lowers)
-            sd.write(meta)
-            return meta
+            pidfd = self._start_init(meta, sd, lowers)
+            try:
+                sd.write(meta)
+            except BaseException:
+                self._kill_init(sandbox.id, pidfd)
+                raise
+            return meta, pidfd
         except BaseException:
-            self._cleanup(sd, meta, chain=locals().get("chain", []), mounted=mounted)
+            self._cleanup(sd, meta, None, chain=locals().get("chain", []), mounted=mounted)
             raise
 
-    def _start_init(self, meta: Meta, sd: SandboxDir, lowers: list[Path]) -> None:
-        """Start the sandbox's init on ``lowers`` and its upper; record it in ``meta``."""
+    def _start_init(self, meta: Meta, sd: SandboxDir, lowers: list[Path]) -> int:
+        """Start the sandbox's init on ``lowers`` and its upper; record it in ``meta``;
+        returns its pidfd."""
         netns = sd.path / "netns" if meta.network == "egress" else None
-        meta.init_pid = self.helper.start_init(
-            sd.rootfs, lowers, sd.upper, sd.work, self.config.hostname,
-            self._procs(meta.id), netns,
-        )  # fmt: skip
-        meta.init_start = process_start(meta.init_pid) or 0
-        _protect(meta.init_pid)
+        sd.mount_points(len(lowers))
+        meta.init_pid, pidfd = self.helper.start_init(
+            sd.path, lowers, meta.uid_base, self.config.hostname, self._procs(meta.id), netns
+        )
+        meta.init_start = process_start(meta.init_pid) or 0  # read while the pidfd holds it
+        return pidfd
 
     def _limit(self, sandbox_id: str, limits: Any) -> None:
         group = self._group(sandbox_id).create()
@@ -367,33 +435,31 @@ class ContainerBackend(Backend):
             group.set("cpu", "cpu.cfs_period_us", 100_000)
             group.set("cpu", "cpu.cfs_quota_us", int(cpus * 100_000))
 
-    def _kill_init(self, meta: Meta | None) -> None:
-        """Kill the sandbox's init (so every process in it) and wait until it has exited."""
-        if meta is None or not meta.init_pid:
+    def _kill_init(self, sandbox_id: str, pidfd: int | None) -> None:
+        """Kill the sandbox's init (so every process in it: they die with their PID
+        namespace), wait until it has exited, close ``pidfd``. None: nothing to kill."""
+        if pidfd is None:
             return
         try:
-            fd = os.pidfd_open(meta.init_pid)
-        except ProcessLookupError:
-            return
-        try:
-            if not meta.alive():
-                return  # not our init (the pid was reused) or already gone
-            signal.pidfd_send_signal(fd, signal.SIGKILL)
-            if is_frozen(group := self._group(meta.id)):  # frozen tasks die once thawed
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            if is_frozen(group := self._group(sandbox_id)):  # frozen tasks die once thawed
                 freeze(group, False)
-            select.select([fd], [], [], 10)  # readable once it has exited
+            select.select([pidfd], [], [], 10)  # readable once it has exited
+        except ProcessLookupError:
+            pass
         finally:
-            os.close(fd)
+            os.close(pidfd)
 
     def _cleanup(
         self,
         sd: SandboxDir,
         meta: Meta | None,
+        pidfd: int | None,
         chain: list[str] | None = None,
         mounted: list[str] | None = None,
     ) -> None:
         """Release everything a sandbox has (or a failed create took). Idempotent."""
-        self._kill_init(meta)
+        self._kill_init(sd.id, pidfd)
         holder = self._holder(sd.id)
         for digest in mounted if mounted is not None else (meta.layers if meta else []):
             self.store.release(digest, holder)
@@ -404,11 +470,15 @@ class ContainerBackend(Backend):
         if meta is not None and meta.network == "egress":
             self.egress.remove(sd.id, sd.path / "netns", meta.address)
         self._group(sd.id).remove(kill=True)  # an init whose record was never written, too
+        if meta is not None and meta.uid_base:
+            self.uids.release(meta.uid_base)
         sd.remove(self.trash)
 
     async def destroy(self, ref: SandboxRef) -> None:
         async with self._lock(ref.sandbox_id):
             meta = self.metas.pop(ref.sandbox_id, None)
+            pidfd = self.inits.take(ref.sandbox_id)
+            self.lost.discard(ref.sandbox_id)
             sd = SandboxDir(self.root, ref.sandbox_id)
             if meta is None and not sd.path.exists():
                 return
@@ -417,12 +487,14 @@ class ContainerBackend(Backend):
                     meta = sd.read()
                 except (OSError, ValueError):
                     meta = None
-            await asyncio.to_thread(self._cleanup, sd, meta)
+            await asyncio.to_thread(self._cleanup, sd, meta, pidfd)
         self._locks.pop(ref.sandbox_id, None)
 
     async def status(self, ref: SandboxRef) -> SandboxStatus:
-        meta = self._meta(ref.sandbox_id)
-        state = "failed" if not meta.alive() else "paused" if self._paused(meta.id) else "ready"
+        if ref.sandbox_id not in self.metas:
+            raise errors.NotFound(f"no container sandbox {ref.sandbox_id} on this node")
+        alive = ref.sandbox_id not in self.lost and self.inits.alive(ref.sandbox_id)
+        state = "lost" if not alive else "paused" if self._paused(ref.sandbox_id) else "ready"
         return SandboxStatus(sandbox_id=ref.sandbox_id, state=state)
 
     def _paused(self, sandbox_id: str) -> bool:
@@ -433,14 +505,14 @@ class ContainerBackend(Backend):
             meta = self._meta(ref.sandbox_id)
             return await asyncio.to_thread(self._pause, meta.id)
 
-    async def prestage(self, layers: list[str]) -> list[str]:
+    async def prestage(self, layers: list[str], tenant: str | None = None) -> list[str]:
         """Mount each layer (held until the backend closes) and walk its tree, so its
         metadata is read from the store now rather than by the first sandbox."""
-        return await asyncio.to_thread(self._prestage, layers)
+        return await asyncio.to_thread(self._prestage, layers, tenant)
 
-    def _prestage(self, layers: list[str]) -> list[str]:
+    def _prestage(self, layers: list[str], tenant: str | None) -> list[str]:
         for ref in layers:
-            digest = self.store.resolve(*ref.split(":", 1)).digest
+            digest = self.store.resolve(*ref.split(":", 1), tenant=tenant).digest
             root = self.store.mount(digest, self._holder("prestaged"))
             self._staged.add(digest)
             for _ in os.walk(root):
@@ -481,28 +553,12 @@ class ContainerBackend(Backend):
     async def list_sandboxes(self) -> list[str]:
         """Sandboxes whose init runs: one whose init died is left out, so the edge's
         reconciliation reports it lost (and then has it destroyed)."""
-        return sorted(i for i, m in self.metas.items() if m.alive())
+        return sorted(i for i in self.metas if i not in self.lost and self.inits.alive(i))
 
     # -- work inside -------------------------------------------------------------------------
 
-    def _user(self, meta: Meta, user: str | None) -> tuple[int | None, int | None]:
-        if user is None:
-            return None, None
-        if user.isdigit():
-            return int(user), int(user)
-        try:
-            data = read_file(meta.init_pid, "/etc/passwd", 1 << 20).decode()
-        except errors.DsecError:
-            data = ""
-        for line in data.splitlines():
-            f = line.split(":")
-            if len(f) > 3 and f[0] == user:
-                return int(f[2]), int(f[3])
-        raise errors.InvalidArgument(f"no user {user!r} in the sandbox's /etc/passwd")
-
     async def exec(self, call: ExecCall) -> ExecResult:
         meta = self._meta(call.sandbox_id)
-        uid, gid = self._user(meta, call.user)
         limits = meta.limits.model_copy(update=call.limits.model_dump(exclude_none=True))
         # the command and all it starts go into a freezer group of their own, so a timeout
         # kills every one of them (setsid or not) and nothing else in the sandbox
@@ -510,9 +566,10 @@ class ContainerBackend(Backend):
         own = Group({"freezer": sandbox.dirs["freezer"] / f"exec-{secrets.token_hex(6)}"})
         await asyncio.to_thread(own.create)
         cgroups = [d / "cgroup.procs" for c, d in sandbox.dirs.items() if c != "freezer"]
+        pidfd = self._pidfd(call.sandbox_id)
         try:
             result = await self.helper.exec(
-                meta.init_pid,
+                pidfd,
                 call.argv,
                 cgroups=[*cgroups, own.dirs["freezer"] / "cgroup.procs"],
                 kill_all=lambda: _kill_frozen(own),
@@ -522,26 +579,35 @@ class ContainerBackend(Backend):
                 timeout=call.timeout_s,
                 max_output=call.max_output_bytes,
                 seccomp=self.seccomp,
-                uid=uid,
-                gid=gid,
+                user=call.user,
                 file_size=(limits.file_size_mb << 20) if limits.file_size_mb else None,
             )
         finally:  # still busy (it left processes running): removed with the sandbox
+            os.close(pidfd)
             with contextlib.suppress(OSError):
                 os.rmdir(own.dirs["freezer"])
         return result.model_copy(update={"sandbox_id": call.sandbox_id})
 
     async def read_file(self, request: ReadFileRequest) -> ReadFileResponse:
-        meta = self._meta(request.sandbox_id)
-        data = await asyncio.to_thread(read_file, meta.init_pid, request.path, MAX_FILE_BYTES)
+        self._meta(request.sandbox_id)
+        pidfd = self._pidfd(request.sandbox_id)
+        try:
+            data = await self.helper.read_file(pidfd, request.path, MAX_FILE_BYTES)
+        finally:
+            os.close(pidfd)
         return ReadFileResponse(data=data)
 
     async def write_file(self, request: WriteFileRequest) -> WriteFileResponse:
-        meta = self._meta(request.sandbox_id)
-        size = await asyncio.to_thread(
-            write_file, meta.init_pid, request.path, request.data, request.mode
-        )
-        return WriteFileResponse(size=size)
+        self._meta(request.sandbox_id)
+        name = request.path.rstrip("/").rpartition("/")[2]
+        if not name or name in (".", "..") or "\0" in request.path:
+            raise errors.InvalidArgument(f"{request.path!r}: not a file path")
+        pidfd = self._pidfd(request.sandbox_id)
+        try:
+            await self.helper.write_file(pidfd, request.path, request.data, request.mode)
+        finally:
+            os.close(pidfd)
+        return WriteFileResponse(size=len(request.data))
 
     # -- state -------------------------------------------------------------------------------
 
@@ -580,10 +646,18 @@ class ContainerBackend(Backend):
     async def restore(self, request: RestoreRequest) -> None:
         async with self._lock(request.sandbox_id):
             meta = self._meta(request.sandbox_id)
-            await asyncio.to_thread(self._restore, meta, request.snapshot_id)
+            chain = await asyncio.to_thread(self._restore_chain, meta, request.snapshot_id)
+            old = self.inits.take(meta.id)  # killed on purpose: not "lost"
+            try:
+                pidfd = await asyncio.to_thread(self._restore, meta, old, chain)
+            except BaseException:
+                self._init_ended(meta.id)  # its init is gone: the sandbox with it
+                raise
+            self.inits.watch(meta.id, pidfd)
 
-    def _restore(self, meta: Meta, snapshot_id: str | None) -> None:
-        holder = self._snap_holder(meta.id)
+    def _restore_chain(self, meta: Meta, snapshot_id: str | None) -> list[str]:
+        """The chain a restore to ``snapshot_id`` starts from, held (collection cannot take
+        it meanwhile); errors before anything changed."""
         if snapshot_id is None:
             chain = meta.origin
         else:
@@ -594,20 +668,28 @@ class ContainerBackend(Backend):
                     "(create with from_snapshot)"
                 )
             chain = [s.id for s in snaps]
-        if chain:  # first: collection cannot take it from under us
-            self.snapshots.hold(chain[0], holder)
+        if chain:
+            self.snapshots.hold(chain[0], self._snap_holder(meta.id))
+        return chain
+
+    def _restore(self, meta: Meta, old: int | None, chain: list[str]) -> int:
+        """Kill the init (``old``), start a new one on an empty upper over ``chain``;
+        returns its pidfd."""
         sd = SandboxDir(self.root, meta.id)
-        self._kill_init(meta)
-        sd.fresh_upper(self.trash)
+        self._kill_init(meta.id, old)
+        sd.fresh_upper(self.trash, self.fs, meta.disk_bytes)
         mounts = self.store.mounted()  # its layers are; mount again what went behind its back
         layers = [mounts.get(d) or self.store.mount(d, self._holder(meta.id)) for d in meta.layers]
-        self._start_init(meta, sd, self.snapshots.deltas(chain) + layers)
-        old = set(meta.chain) - set(chain)
+        pidfd = self._start_init(meta, sd, self.snapshots.deltas(chain) + layers)
+        old_chain = set(meta.chain) - set(chain)
         meta.chain = chain
         meta.last_snapshot = chain[0] if chain else None
         meta.upper_since = None
         sd.write(meta)
-        self.snapshots.release(sorted(old - set(meta.held) - set(meta.origin[:1])), holder)
+        self.snapshots.release(
+            sorted(old_chain - set(meta.held) - set(meta.origin[:1])), self._snap_holder(meta.id)
+        )
+        return pidfd
 
     async def fs_diff(self, request: FsDiffRequest) -> FsDiff:
         meta = self._meta(request.sandbox_id)
@@ -641,7 +723,9 @@ class ContainerBackend(Backend):
                 apply(self.store.mount(digest, holder), tree, keep_whiteouts=request.kind != "base")
             for delta in reversed(self.snapshots.deltas([s.id for s in snaps])):
                 apply(delta, tree, keep_whiteouts=request.kind != "base")
-            layer = self.store.import_layer(str(tree), request.kind, request.name, request.version)
+            layer = self.store.import_layer(
+                str(tree), request.kind, request.name, request.version, tenant=request.tenant
+            )
         finally:
             for digest in layers:
                 self.store.release(digest, holder)
@@ -650,12 +734,11 @@ class ContainerBackend(Backend):
                          version=layer.version, size=layer.size)  # fmt: skip
 
 
-def _protect(pid: int) -> None:
-    """Keep the OOM killer off a sandbox's init (it is tiny anyway; needs CAP_SYS_RESOURCE)."""
-    try:
-        Path(f"/proc/{pid}/oom_score_adj").write_text("-1000")
-    except PermissionError:
-        pass
+def _raise_open_files_limit() -> None:
+    """Let this process hold a descriptor per sandbox (its init's pidfd)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _kill_frozen(group: Group) -> None:

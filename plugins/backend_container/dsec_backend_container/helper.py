@@ -1,26 +1,34 @@
 """The native helper (``csrc/dsec-sandbox.c``): built on first use, then started per sandbox
-(``init``) and per command (``exec``). Commands' output is read event-driven, capped, and
-their process group is killed at the timeout."""
+(``init``), per command (``exec``) and per file operation (``read``, ``write``), always with
+an empty environment. Commands' output is read event-driven, capped, and everything a
+command started is killed at its timeout."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
+import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from dsec_kernel import errors
-from dsec_kernel.wire import ExecResult
+from dsec_kernel.wire import MAX_FILE_BYTES, ExecResult
 
 __all__ = ["Helper", "compiler"]
 
+log = logging.getLogger(__name__)
+
 SOURCE = Path(__file__).parent / "csrc" / "dsec-sandbox.c"
+#: uids (and gids) of a sandbox's user namespace
+UID_COUNT = 1 << 16
 #: after a command ends, how long output still in flight is waited for
 _DRAIN_S = 0.2
 
@@ -61,32 +69,45 @@ class Helper:
 
     def start_init(
         self,
-        rootfs: Path,
+        sandbox_dir: Path,
         lowers: list[Path],
-        upper: Path,
-        work: Path,
+        uid_base: int,
         hostname: str,
         cgroups: list[Path],
         netns: Path | None = None,
-    ) -> int:
-        """Start a sandbox's init; returns its host PID. Raises Unavailable with the reason."""
+    ) -> tuple[int, int]:
+        """Start a sandbox's init in ``sandbox_dir`` (see the source's header for its
+        layout); returns its host PID and a pidfd of it. Raises Unavailable with the reason
+        (for the edge's log: it names host paths)."""
         argv = [
-            str(self.path), "init", "--rootfs", str(rootfs),
+            str(self.path), "init", "--dir", str(sandbox_dir),
             "--lower", ":".join(str(p) for p in lowers),
-            "--upper", str(upper), "--work", str(work), "--hostname", hostname,
+            "--uid-base", str(uid_base), "--uid-count", str(UID_COUNT), "--hostname", hostname,
         ]  # fmt: skip
         for cg in cgroups:
             argv += ["--cgroup", str(cg)]
         if netns is not None:
             argv += ["--netns", str(netns)]
-        proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        if proc.returncode != 0:
-            raise errors.Unavailable(f"the sandbox did not start: {proc.stderr.strip()}")
-        return int(proc.stdout)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with ours, theirs:
+            argv += ["--ready-fd", str(theirs.fileno())]
+            proc = subprocess.run(
+                argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, env={},
+                pass_fds=(theirs.fileno(),),
+            )  # fmt: skip
+            if proc.returncode != 0:
+                raise errors.Unavailable(f"the sandbox did not start: {proc.stderr.strip()}")
+            theirs.close()
+            msg, fds, _flags, _addr = socket.recv_fds(ours, 64, 1)
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise errors.Unavailable("the sandbox's init did not report")
+        return int(msg), fds[0]
 
     async def exec(
         self,
-        init_pid: int,
+        pidfd: int,
         argv: list[str],
         *,
         cgroups: list[Path],
@@ -97,42 +118,91 @@ class Helper:
         timeout: float,
         max_output: int,
         seccomp: Path | None,
-        uid: int | None = None,
-        gid: int | None = None,
+        user: str | None = None,
         file_size: int | None = None,
     ) -> ExecResult:
-        """Run ``argv`` in the sandbox of ``init_pid``; see Backend.exec for the contract.
+        """Run ``argv`` in the sandbox of the init ``pidfd``; see Backend.exec for the
+        contract. ``user``: a name (looked up in the sandbox) or digits (uid = gid).
         ``kill_all`` (called in a thread) kills the command with everything it started, on
         timeout or cancellation.
 
-        Raises SandboxLost if the sandbox cannot be entered (its init is gone)."""
-        cmd = [str(self.path), "exec", "--pid", str(init_pid), "--cwd", cwd]
+        Raises SandboxLost if the sandbox is gone, InvalidArgument for an unknown user."""
+        cmd = [str(self.path), "exec", "--pidfd", str(pidfd), "--cwd", cwd]
         for cg in cgroups:
             cmd += ["--cgroup", str(cg)]
-        if uid is not None:
-            cmd += ["--uid", str(uid), "--gid", str(gid if gid is not None else uid)]
+        if user is not None and user.isdigit():
+            cmd += ["--uid", user, "--gid", user]
+        elif user is not None:
+            cmd += ["--user", user]
         if seccomp is not None:
             cmd += ["--seccomp", str(seccomp)]
         if file_size is not None:
             cmd += ["--fsize", str(file_size)]
+        env_fd = _env_memfd(env)  # applied only once inside: the helper's own environment is empty
         status_r, status_w = os.pipe()
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        cmd += ["--status-fd", str(status_w), "--", *argv]
+        cmd += ["--status-fd", str(status_w), "--env-fd", str(env_fd), "--", *argv]
         started = time.monotonic()
         try:
             proc = subprocess.Popen(
-                cmd, stdin=in_r, stdout=out_w, stderr=err_w, env=env, pass_fds=(status_w,)
-            )
+                cmd, stdin=in_r, stdout=out_w, stderr=err_w, env={},
+                pass_fds=(status_w, env_fd, pidfd),
+            )  # fmt: skip
         finally:
-            for fd in (status_w, in_r, out_w, err_w):
+            for fd in (status_w, in_r, out_w, err_w, env_fd):
                 os.close(fd)
         run = _Run(proc, status_r, in_w, out_r, err_r, max_output, kill_all)
         try:
-            return await run.finish(stdin, timeout, started)
+            return await run.finish(stdin, timeout, started, user)
         finally:
             run.close()
+
+    async def read_file(self, pidfd: int, path: str, max_bytes: int) -> bytes:
+        """The whole regular file ``path`` of the sandbox, read as its root inside it."""
+        argv = [str(self.path), "read", "--pidfd", str(pidfd), "--max", str(max_bytes), path]
+        out = await _file_op(argv, pidfd, b"", path)
+        return out
+
+    async def write_file(self, pidfd: int, path: str, data: bytes, mode: int) -> None:
+        """Replace ``path`` in the sandbox atomically, as its root inside it."""
+        argv = [str(self.path), "write", "--pidfd", str(pidfd), "--mode", str(mode),
+                "--size", str(len(data)), path]  # fmt: skip
+        await _file_op(argv, pidfd, data, path)
+
+
+def _env_memfd(env: dict[str, str]) -> int:
+    fd = os.memfd_create("dsec-env", os.MFD_CLOEXEC)
+    os.write(fd, b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+#: errno of a failed file operation -> the error a tenant gets
+_FILE_ERRORS = {errno.ENOENT: errors.NotFound, errno.ENOTDIR: errors.NotFound}
+
+
+async def _file_op(argv: list[str], pidfd: int, data: bytes, path: str) -> bytes:
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env={}, pass_fds=(pidfd,),
+    )  # fmt: skip
+    out, err = await proc.communicate(data)
+    if proc.returncode == 0:
+        return out
+    text = err.decode(errors="replace").strip()
+    if proc.returncode == 3 or text == "lost":
+        raise errors.SandboxLost("the sandbox is lost: its init ended; destroy it")
+    word = text.split()
+    if proc.returncode == 2 and len(word) >= 2 and word[0] == "error" and word[1].isdigit():
+        code = int(word[1])
+        cls = _FILE_ERRORS.get(code, errors.InvalidArgument)
+        reason = {errno.EFBIG: f"larger than {MAX_FILE_BYTES} bytes",
+                  errno.EINVAL: "not a regular file"}.get(code, os.strerror(code))  # fmt: skip
+        raise cls(f"{path}: {reason}")
+    log.warning("file operation on %s failed: %s", path, text)
+    raise errors.Unavailable(f"{path}: the file operation failed; retry")
 
 
 class _Run:
@@ -223,7 +293,9 @@ class _Run:
                     os.killpg(group, signal.SIGKILL)
             self.proc.kill()
 
-    async def finish(self, stdin: bytes, timeout: float, started: float) -> ExecResult:
+    async def finish(
+        self, stdin: bytes, timeout: float, started: float, user: str | None
+    ) -> ExecResult:
         feeder = asyncio.ensure_future(self._feed(stdin))
         timed_out = False
         try:
@@ -244,9 +316,15 @@ class _Run:
         except TimeoutError:
             pass
         status = self._field("status")
+        said = self.bufs[self.status_fd].decode(errors="replace").split()
+        if "lost" in said:
+            raise errors.SandboxLost("the sandbox is lost: its init ended; destroy it")
+        if "nouser" in said:
+            raise errors.InvalidArgument(f"no user {user!r} in the sandbox's /etc/passwd")
         if status is None and not timed_out:
             err = bytes(self.bufs[self.err]).decode(errors="replace").strip()
-            raise errors.SandboxLost(f"cannot run the command in the sandbox: {err}")
+            log.warning("a command could not start in a sandbox: %s", err)
+            raise errors.Unavailable("the command could not start in the sandbox; retry")
         return ExecResult(
             stdout=bytes(self.bufs[self.out]),
             stderr=bytes(self.bufs[self.err]),

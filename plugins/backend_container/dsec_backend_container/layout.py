@@ -1,9 +1,18 @@
 """Where a container sandbox keeps its state on the node, and what it records about itself.
 
-``<state>/sandboxes/<id>/``: ``meta.json`` (:class:`Meta`), ``upper/`` and ``work/`` (the
-overlay's writable layer, on local disk) and ``rootfs/`` (the mount point, used only inside
-the sandbox's own mount namespace). Nothing is mounted in the host's namespace per sandbox.
-``<state>/sandboxes/.trash/``: what is being deleted (:class:`Trash`).
+``<upper_root>/<id>/`` (0700), on the sandboxes' btrfs (:mod:`.upperfs`):
+
+    meta.json    :class:`Meta`
+    rw/          a subvolume with the sandbox's quota: ``upper/`` and ``work/`` of its overlay,
+                 files owned by the uids the sandbox sees (its root is 0 here)
+    m/           mount points used only inside the sandbox's own mount namespace: ``m/0``...
+                 for its lower layers, ``m/rw`` for ``rw/``, both idmapped into its user
+                 namespace
+    rootfs/      the overlay's mount point, likewise
+    netns        egress sandboxes: their network namespace (a bind mount)
+
+Nothing is mounted in the host's namespace per sandbox but an egress sandbox's network
+namespace. ``<upper_root>/.trash/``: what is being deleted (:class:`Trash`).
 """
 
 from __future__ import annotations
@@ -13,13 +22,15 @@ import queue
 import secrets
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dsec_backend_container.upperfs import UpperFs
 from dsec_kernel.wire import Limits
 
-__all__ = ["Meta", "SandboxDir", "Trash", "process_start"]
+__all__ = ["Meta", "SandboxDir", "Trash", "delete_tree"]
 
 
 class Meta(BaseModel):
@@ -43,12 +54,10 @@ class Meta(BaseModel):
     address: str | None = Field(None, description="its egress address")
     limits: Limits = Field(default_factory=Limits)
     network: str = "none"
+    uid_base: int = Field(0, description="the host uid of its root (its user namespace's range)")
+    disk_bytes: int = Field(0, description="its quota on the node's disk")
     init_pid: int = 0
     init_start: int = Field(0, description="the init's start time (clock ticks), against pid reuse")
-
-    def alive(self) -> bool:
-        """Its init still runs (the same process, not a reuse of its pid)."""
-        return bool(self.init_pid) and process_start(self.init_pid) == self.init_start
 
 
 class SandboxDir:
@@ -58,17 +67,29 @@ class SandboxDir:
         self.id = sandbox_id
         self.path = root / sandbox_id
         self.meta_file = self.path / "meta.json"
-        self.upper = self.path / "upper"
-        self.work = self.path / "work"
+        self.rw = self.path / "rw"
+        self.upper = self.rw / "upper"
         self.rootfs = self.path / "rootfs"
 
     def exists(self) -> bool:
         return self.meta_file.exists()
 
-    def create(self) -> None:
+    def create(self, fs: UpperFs, disk_bytes: int, lowers: int) -> None:
+        """The directory, its quota'd writable layer and mount points for ``lowers`` layers."""
         self.path.mkdir(mode=0o700)
-        for d in (self.upper, self.work, self.rootfs):
+        for d in (self.rootfs, self.path / "m", self.path / "m" / "rw"):
             d.mkdir()
+        self.mount_points(lowers)
+        self._rw(fs, disk_bytes)
+
+    def mount_points(self, lowers: int) -> None:
+        for i in range(lowers):
+            (self.path / "m" / str(i)).mkdir(exist_ok=True)
+
+    def _rw(self, fs: UpperFs, disk_bytes: int) -> None:
+        fs.create(self.rw, disk_bytes)
+        for d in ("upper", "work"):
+            (self.rw / d).mkdir()
 
     def read(self) -> Meta:
         return Meta.model_validate_json(self.meta_file.read_text())
@@ -78,11 +99,10 @@ class SandboxDir:
         tmp.write_text(meta.model_dump_json())
         tmp.replace(self.meta_file)
 
-    def fresh_upper(self, trash: Trash) -> None:
+    def fresh_upper(self, trash: Trash, fs: UpperFs, disk_bytes: int) -> None:
         """Replace the writable layer with an empty one (the old one goes to ``trash``)."""
-        for d in (self.upper, self.work):
-            trash.discard(d)
-            d.mkdir()
+        trash.discard(self.rw)
+        self._rw(fs, disk_bytes)
 
     def remove(self, trash: Trash) -> None:
         trash.discard(self.path)
@@ -91,10 +111,12 @@ class SandboxDir:
 class Trash:
     """Directories on their way out: moved aside at once (a rename on the same filesystem)
     and deleted by one background thread, so restore and destroy do not wait on the disk.
-    What a crash left here is deleted after the next start."""
+    ``delete(path)`` deletes one (subvolumes in one call). What a crash left here is deleted
+    after the next start."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, delete: Callable[[Path], None]) -> None:
         self.root = root
+        self._delete = delete
         root.mkdir(parents=True, exist_ok=True)
         self._queue: queue.SimpleQueue[Path | None] = queue.SimpleQueue()
         for left in root.iterdir():
@@ -120,14 +142,20 @@ class Trash:
 
     def _run(self) -> None:
         while (path := self._queue.get()) is not None:
-            shutil.rmtree(path, ignore_errors=True)
+            try:
+                self._delete(path)
+            except OSError:
+                shutil.rmtree(path, ignore_errors=True)
 
 
-def process_start(pid: int) -> int | None:
-    """A live process's start time (clock ticks since boot); None if it is gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] in ("Z", "X") else int(fields[19])
+def delete_tree(fs: UpperFs) -> Callable[[Path], None]:
+    """How the trash deletes a sandbox's directory or a writable layer on ``fs``: its
+    subvolume at once, then the rest (a few small files)."""
+
+    def delete(path: Path) -> None:
+        for rw in (path, path / "rw"):
+            if UpperFs.is_subvolume(rw):
+                fs.delete(rw)
+        shutil.rmtree(path, ignore_errors=True)
+
+    return delete

@@ -22,6 +22,7 @@ and collection re-checks holds after moving a snapshot aside, so the two cannot 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -31,7 +32,16 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec_backend_container.overlay import Entry, apply, copy_entry, scan, whiteout
+from dsec_backend_container.overlay import (
+    Entry,
+    Tree,
+    apply,
+    copy_entry,
+    kind_at,
+    remove,
+    scan,
+    whiteout,
+)
 from dsec_kernel import errors
 from dsec_kernel.storage import LayerStore
 
@@ -219,50 +229,63 @@ def _copy_changes(
     """
     size = 0
     full_copy: list[str] = []  # directories that became opaque: all they hold is new
-    for rel, e in now.items():
-        old = before.get(rel)
-        inside_full = any(rel.startswith(f + "/") for f in full_copy)
-        if old == e and not inside_full:
-            continue
-        dst = str(delta) + rel
-        _parents(upper, delta, rel)
-        if e.kind == "d":
-            if os.path.isdir(dst) and not os.path.islink(dst) and not e.opaque:
-                continue  # already there (merge), or made as a parent
-            if os.path.lexists(dst):
-                shutil.rmtree(dst) if os.path.isdir(dst) else os.unlink(dst)
-            copy_entry(str(upper) + rel, dst)
-            if e.opaque and (old is None or not old.opaque or merge):
-                full_copy.append(rel)
-            continue
-        if os.path.lexists(dst):
-            shutil.rmtree(dst) if os.path.isdir(dst) and not os.path.islink(dst) else os.unlink(dst)
-        size += copy_entry(str(upper) + rel, dst)
-    gone = [rel for rel in before if rel not in now]
-    for rel in gone:
-        if any(rel.startswith(g + "/") for g in gone if g != rel):
-            continue  # a deleted directory's whiteout covers its contents
-        _parents(upper, delta, rel)
-        dst = Path(str(delta) + rel)
-        if os.path.lexists(dst):
-            shutil.rmtree(dst) if dst.is_dir() and not dst.is_symlink() else dst.unlink()
-        whiteout(dst)
+    with Tree(upper) as src, Tree(delta) as dst:
+        for rel, e in now.items():
+            old = before.get(rel)
+            inside_full = any(rel.startswith(f + "/") for f in full_copy)
+            if old == e and not inside_full:
+                continue
+            try:
+                _parents(src, dst, rel)
+                if e.kind == "d":
+                    have = kind_at(dst, rel)
+                    if have == "d" and not e.opaque:
+                        continue  # already there (merge), or made as a parent
+                    remove(dst, rel)
+                    copy_entry(src, dst, rel)
+                    if e.opaque and (old is None or not old.opaque or merge):
+                        full_copy.append(rel)
+                    continue
+                remove(dst, rel)
+                size += copy_entry(src, dst, rel)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # changed while read (only a paused or idle sandbox is still)
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+        gone = [rel for rel in before if rel not in now]
+        for rel in gone:
+            if any(rel.startswith(g + "/") for g in gone if g != rel):
+                continue  # a deleted directory's whiteout covers its contents
+            try:
+                _parents(src, dst, rel)
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+            remove(dst, rel)
+            whiteout(dst, rel)
     return size
 
 
-def _parents(upper: Path, delta: Path, rel: str) -> None:
-    """Make ``rel``'s missing parent directories in ``delta``, as they are in ``upper``."""
+def _parents(src: Tree, dst: Tree, rel: str) -> None:
+    """Make ``rel``'s missing parent directories in ``dst``, as they are in ``src``."""
     parts = rel.strip("/").split("/")[:-1]
     cur = ""
     for p in parts:
         cur += "/" + p
-        dst = str(delta) + cur
-        if not os.path.isdir(dst):
-            src = str(upper) + cur
-            if os.path.isdir(src):
-                copy_entry(src, dst, opaque=False)
-            else:
-                os.mkdir(dst, 0o755)
+        if kind_at(dst, cur) == "d":
+            continue
+        remove(dst, cur)
+        try:
+            if kind_at(src, cur) == "d":
+                copy_entry(src, dst, cur, opaque=False)
+                continue
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        d, name = dst.parent(cur)
+        os.mkdir(name, 0o755, dir_fd=d)
 
 
 def _tree_bytes(root: Path) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import time
 
@@ -11,7 +12,7 @@ import pytest
 from dsec_backend_container.backend import ContainerBackend
 from dsec_backend_container.layout import Trash
 
-from dsec_kernel import errors, linux
+from dsec_kernel import errors
 from dsec_kernel.backend import ExecCall, SandboxRef
 from dsec_kernel.conformance import started
 from dsec_kernel.storage import open_store
@@ -87,46 +88,82 @@ async def test_a_layer_in_use_cannot_be_removed(backend, small_layer):
     assert layer.digest not in store.mounted()
 
 
-async def test_a_full_upper_disk_fails_the_sandbox_not_the_node(make_config, tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    linux.mount("tmpfs", str(disk), "tmpfs", 0, "size=8m")
-    made: list[EdgeSandbox] = []
+async def test_a_sandbox_over_its_disk_quota_fails_alone(backend):
+    """Limits.disk_mb holds inside (EDQUOT), bytes and inodes alike; the sandbox and its
+    neighbours go on, and deleting frees the room."""
+    sb = new(Env(base="busybox:1"))
+    sb.spec.limits.disk_mb = 32
+    other = new(Env(base="busybox:1"))
+    await backend.create(sb)
+    await backend.create(other)
     try:
-        async with started(ContainerBackend(make_config(upper_root=disk)), tmp_path / "st") as b:
-            try:
-                sb = new(Env(base="busybox:1"))
-                await b.create(sb)
-                made.append(sb)
-                fill = ["/bin/sh", "-c", "head -c 20000000 /dev/zero > /big"]
-                r = await b.exec(
-                    ExecCall(sandbox_id=sb.id, argv=fill, timeout_s=20, max_output_bytes=4096)
-                )
-                assert r.exit_code != 0 and r.stderr, r  # ENOSPC, inside the sandbox only
-                other = new(Env(base="busybox:1"))
-                try:  # may fit (an empty sandbox is a few directories) or be refused, typed
-                    await b.create(other)
-                    made.append(other)
-                except errors.CapacityExceeded:
-                    assert leftovers(b, other.id) == []
-                rm = ["rm", "/big"]
-                await b.exec(ExecCall(sandbox_id=sb.id, argv=rm, timeout_s=5, max_output_bytes=10))
-                again = new(Env(base="busybox:1"))
-                await b.create(again)
-                made.append(again)
-            finally:
-                for s in made:
-                    await b.destroy(SandboxRef(sandbox_id=s.id))
-        assert list(disk.iterdir()) == []
+        fill = ["dd", "if=/dev/zero", "of=/big", "bs=1M", "count=64"]
+        r = await backend.exec(
+            ExecCall(sandbox_id=sb.id, argv=fill, timeout_s=30, max_output_bytes=4096)
+        )
+        assert r.exit_code != 0 and b"quota" in r.stderr.lower(), r
+        inodes = [
+            "/bin/sh",
+            "-c",
+            "mkdir /many && cd /many && i=0; while mkdir $i 2>/dev/null; do i=$((i+1)); done;"
+            " mkdir $i",
+        ]
+        r = await backend.exec(
+            ExecCall(sandbox_id=sb.id, argv=inodes, timeout_s=120, max_output_bytes=4096)
+        )
+        assert b"quota" in r.stderr.lower(), r  # an inode flood ends at the same limit
+        ok = ["/bin/sh", "-c", "head -c 64000000 /dev/zero > /big && echo ok"]
+        r = await backend.exec(
+            ExecCall(sandbox_id=other.id, argv=ok, timeout_s=30, max_output_bytes=64)
+        )
+        assert r.stdout == b"ok\n", r  # the neighbour has its own room
+        rm = ["rm", "-rf", "/big", "/many"]
+        await backend.exec(ExecCall(sandbox_id=sb.id, argv=rm, timeout_s=60, max_output_bytes=10))
+        small = ["/bin/sh", "-c", "head -c 1000000 /dev/zero > /small && echo ok"]
+        r = await backend.exec(
+            ExecCall(sandbox_id=sb.id, argv=small, timeout_s=30, max_output_bytes=64)
+        )
+        assert r.stdout == b"ok\n", r
     finally:
-        linux.umount(str(disk), linux.MNT_DETACH)
+        for s in (sb, other):
+            await backend.destroy(SandboxRef(sandbox_id=s.id))
+
+
+async def test_a_full_node_disk_fails_the_sandbox_not_the_node(make_config, tmp_path):
+    made: list[EdgeSandbox] = []
+    cfg = make_config(upper_fs_gb=0.25)  # the sandboxes' filesystem, smaller than one quota
+    async with started(ContainerBackend(cfg), tmp_path / "st") as b:
+        try:
+            sb = new(Env(base="busybox:1"))
+            await b.create(sb)
+            made.append(sb)
+            fill = ["dd", "if=/dev/zero", "of=/big", "bs=1M", "count=400"]
+            r = await b.exec(
+                ExecCall(sandbox_id=sb.id, argv=fill, timeout_s=60, max_output_bytes=4096)
+            )
+            assert r.exit_code != 0 and r.stderr, r  # ENOSPC, inside the sandbox only
+            other = new(Env(base="busybox:1"))
+            try:  # may fit (an empty sandbox is a few directories) or be refused, typed
+                await b.create(other)
+                made.append(other)
+            except errors.CapacityExceeded:
+                assert leftovers(b, other.id) == []
+            rm = ["rm", "/big"]
+            await b.exec(ExecCall(sandbox_id=sb.id, argv=rm, timeout_s=5, max_output_bytes=10))
+            again = new(Env(base="busybox:1"))
+            await b.create(again)
+            made.append(again)
+        finally:
+            for s in made:
+                await b.destroy(SandboxRef(sandbox_id=s.id))
+    assert not (tmp_path / "st" / "sandboxes").is_mount()  # unmounted with the last sandbox
 
 
 async def test_the_trash_deletes_what_it_is_given_and_what_a_crash_left(tmp_path):
     crashed = tmp_path / ".trash" / "left-by-a-crash" / "upper"
     crashed.mkdir(parents=True)
     (crashed / "f").write_bytes(b"x")
-    trash = Trash(tmp_path / ".trash")
+    trash = Trash(tmp_path / ".trash", shutil.rmtree)
     upper = tmp_path / "upper"
     (upper / "deep").mkdir(parents=True)
     (upper / "deep" / "g").write_bytes(b"y")
@@ -137,18 +174,30 @@ async def test_the_trash_deletes_what_it_is_given_and_what_a_crash_left(tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
-async def test_a_sandbox_whose_init_dies_is_reported_failed_and_left_out(backend):
-    """The edge's reconciliation works from list_sandboxes: a dead init must not be listed."""
-    sb = new(Env(base="busybox:1"))
-    await backend.create(sb)
-    try:
-        os.kill(backend.metas[sb.id].init_pid, signal.SIGKILL)
-        for _ in range(100):
-            if (await backend.status(SandboxRef(sandbox_id=sb.id))).state == "failed":
-                break
-            await asyncio.sleep(0.02)
-        assert (await backend.status(SandboxRef(sandbox_id=sb.id))).state == "failed"
-        assert sb.id not in await backend.list_sandboxes()
-    finally:
-        await backend.destroy(SandboxRef(sandbox_id=sb.id))
-    assert leftovers(backend, sb.id) == []
+async def test_a_sandbox_whose_init_dies_is_lost_at_once(make_config, tmp_path):
+    """Killed from the host (nothing inside can), the init takes its sandbox with it: the
+    backend reports it at once, refuses every operation, leaves it out of list_sandboxes
+    (the edge's reconciliation works from it) and releases everything on destroy."""
+    reported: list[tuple[str, str]] = []
+    lost = lambda sandbox_id, reason: reported.append((sandbox_id, reason))  # noqa: E731
+    async with started(ContainerBackend(make_config()), tmp_path / "st", lost=lost) as b:
+        sb = new(Env(base="busybox:1"))
+        await b.create(sb)
+        try:
+            os.kill(b.metas[sb.id].init_pid, signal.SIGKILL)
+            for _ in range(100):
+                if reported:
+                    break
+                await asyncio.sleep(0.02)
+            assert [i for i, _ in reported] == [sb.id]
+            assert str(b.metas[sb.id].init_pid) not in reported[0][1]  # no host pid to tenants
+            assert (await b.status(SandboxRef(sandbox_id=sb.id))).state == "lost"
+            assert sb.id not in await b.list_sandboxes()
+            with pytest.raises(errors.SandboxLost) as lost_error:
+                await b.exec(
+                    ExecCall(sandbox_id=sb.id, argv=["true"], timeout_s=5, max_output_bytes=10)
+                )
+            assert str(b.metas[sb.id].init_pid) not in lost_error.value.message
+        finally:
+            await b.destroy(SandboxRef(sandbox_id=sb.id))
+        assert leftovers(b, sb.id) == []

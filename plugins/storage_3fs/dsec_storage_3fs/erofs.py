@@ -60,8 +60,8 @@ def _superblock(image: Path) -> bytes:
         raw = f.read(128)
     if len(raw) < 128 or int.from_bytes(raw[:4], "little") != MAGIC:
         raise InvalidArgument(
-            f"{image} is not an EROFS image (no superblock magic at byte {_SUPERBLOCK}): it is "
-            "damaged; remove the layer and import it again"
+            f"{image.name} is not an EROFS image (no superblock magic at byte {_SUPERBLOCK}): "
+            "it is damaged; remove the layer and import it again"
         )
     return raw
 

@@ -3,7 +3,11 @@
 Store layout, under ``root`` (3FS, CephFS, NFS... or a local disk for one machine)::
 
     blobs/sha256/<hex>.erofs       images, named by the sha256 of their bytes
-    layers/<name>/<version>.json   catalog records (the Layer model as JSON)
+    layers/<name>/<version>.json   public catalog records (the Layer model as JSON)
+    layers/@<tenant>/<name>/<version>.json
+                                   a tenant's records ('@' starts no layer name, so the
+                                   namespaces never meet; records written before owners
+                                   existed are where public ones are)
     holds/<hex>/<holder>           one file per holder of an image; the holder URL-quoted
                                    ("node-1/sb-7" -> "node-1%2Fsb-7")
     snapshots/                     backends' snapshots (snapshots_root())
@@ -14,7 +18,8 @@ Store layout, under ``root`` (3FS, CephFS, NFS... or a local disk for one machin
 Every file is written under a temporary name in its own directory and renamed, so no node
 ever reads a partial file. Node-local, under ``cache_dir``::
 
-    catalog/<name>/<version>.json  copies of records, used while the store file's mtime and
+    catalog/[@<tenant>/]<name>/<version>.json
+                                   copies of records, used while the store file's mtime and
                                    size are unchanged (records never change in place)
     mounts/<hex>                   the one read-only mount of each image in use on this node
 
@@ -23,7 +28,9 @@ record). Two imports of one ``name:version`` with *different* content at the sam
 both rename their record; the read-back after the rename makes the loser a Conflict unless it
 read back before the winner's rename (a narrow window): import each name:version from one place.
 An image whose record never got written (a failed import) is collected by :meth:`gc` after
-``gc_grace_s``.
+``gc_grace_s``. A tenant's import checks that its name:version is not public; an operator
+import of the same name:version at that instant makes the tenant's layer shadowed (resolve
+finds public layers first), never the other way round.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dsec_kernel.config import default_state_dir
 from dsec_kernel.errors import Conflict, DsecError, Internal, InvalidArgument, NotFound
 from dsec_kernel.storage import KINDS, GcReport, Kind, Layer, LayerStore, LayerUsage, Progress
+from dsec_kernel.wire.base import NAME_PATTERN
 from dsec_storage_3fs import erofs
 from dsec_storage_3fs.build import Built, build_image
 from dsec_storage_3fs.mounts import NodeMounts
@@ -53,6 +61,7 @@ __all__ = ["ThreeFsConfig", "ThreeFsStore"]
 _SCHEMA = Layer.model_json_schema()["properties"]
 _NAME = re.compile(_SCHEMA["name"]["pattern"])
 _VERSION = re.compile(_SCHEMA["version"]["pattern"])
+_TENANT = re.compile(NAME_PATTERN)
 _DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
 _TMP_MAX_AGE_S = 86400.0
 
@@ -96,18 +105,32 @@ class ThreeFsStore(LayerStore):
     # -- catalog -----------------------------------------------------------------------------
 
     def import_layer(
-        self, source: str, kind: Kind, name: str, version: str, progress: Progress | None = None
+        self,
+        source: str,
+        kind: Kind,
+        name: str,
+        version: str,
+        progress: Progress | None = None,
+        *,
+        tenant: str | None = None,
     ) -> Layer:
         if kind not in KINDS:
             raise InvalidArgument(f"layer kind {kind!r} is not one of {', '.join(KINDS)}")
         _check_ref(name, version)
+        _scope(tenant)  # InvalidArgument for a bad tenant name
+        if tenant is not None and self._record(name, version, None).exists():
+            raise Conflict(
+                f"layer {name}:{version} is a public layer, and public names mean the same "
+                "layer for every tenant; publish yours under another name or version",
+                retryable=False,
+            )
         say = progress or (lambda _msg: None)
         work = None
         try:
             (self.root / "tmp").mkdir(parents=True, exist_ok=True)
             work = Path(tempfile.mkdtemp(prefix="import-", dir=self.root / "tmp"))
             built = build_image(Path(source), work, self.config.compression, say)
-            existing = self._read_record(name, version)
+            existing = self._read_record(name, version, tenant)
             if existing is not None:
                 _same(existing, built.digest, kind)
             say("publishing")
@@ -123,65 +146,76 @@ class ThreeFsStore(LayerStore):
                 files=built.files,
                 created_at=time.time(),
                 source=os.path.abspath(source),
+                tenant=tenant,
             )
-            _atomic_write(self._record(name, version), layer.model_dump_json(indent=2).encode())
-            final = self._read_record(name, version)  # a concurrent import may have won
+            record = layer.model_dump_json(indent=2).encode()
+            _atomic_write(self._record(name, version, tenant), record)
+            final = self._read_record(name, version, tenant)  # a concurrent import may have won
             return _same(final or layer, built.digest, kind)
         except DsecError:
             raise
         except OSError as e:
-            raise Internal(f"importing {source} as {name}:{version} failed: {e}") from e
+            where = f" for tenant {tenant}" if tenant else ""
+            raise Internal(f"importing {source} as {name}:{version}{where} failed: {e}") from e
         finally:
             if work is not None:
                 shutil.rmtree(work, ignore_errors=True)
 
-    def list_layers(self) -> list[Layer]:
+    def list_layers(self, tenant: str | None = None) -> list[Layer]:
+        """Public layers first, then each owner's (sorted by owner, name, version)."""
+        owners = [tenant] if tenant is not None else self._tenants()
         layers = []
-        for path in sorted(self.root.glob("layers/*/*.json")):
-            if not path.name.startswith("."):
-                try:
-                    layers.append(self._parse(path.read_bytes(), path))
-                except FileNotFoundError:  # removed meanwhile
-                    continue
+        for owner in [None, *owners]:
+            for path in sorted((self.root / "layers" / _scope(owner)).glob("*/*.json")):
+                if not path.name.startswith("."):
+                    try:
+                        layers.append(self._parse(path.read_bytes(), path, owner))
+                    except FileNotFoundError:  # removed meanwhile
+                        continue
         return layers
 
-    def resolve(self, name: str, version: str, kind: Kind | None = None) -> Layer:
+    def resolve(
+        self, name: str, version: str, kind: Kind | None = None, *, tenant: str | None = None
+    ) -> Layer:
+        """The public record, else the tenant's own; each read from the node cache while the
+        store's record is unchanged. Other tenants' records are never looked at."""
         _check_ref(name, version)
-        path = self._record(name, version)
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            raise NotFound(self._missing(name, version)) from None
-        cached = self.cache_dir / "catalog" / name / f"{version}.json"
-        try:
-            cst = cached.stat()
-            fresh = (cst.st_mtime_ns, cst.st_size) == (st.st_mtime_ns, st.st_size)
-            raw = cached.read_bytes() if fresh else None
-        except FileNotFoundError:
-            raw = None
-        if raw is None:
-            raw = path.read_bytes()
-            _atomic_write(cached, raw, mtime_ns=st.st_mtime_ns)
-        layer = self._parse(raw, path)
+        _scope(tenant)  # InvalidArgument for a bad tenant name
+        layer = self._lookup(name, version, None)
+        if layer is None and tenant is not None:
+            layer = self._lookup(name, version, tenant)
+        if layer is None:
+            raise NotFound(self._missing(name, version, tenant))
         if kind is not None and layer.kind != kind:
             raise NotFound(f"layer {layer.ref} is a {layer.kind} layer, not a {kind} layer")
         return layer
 
-    def remove(self, name: str, version: str, force: bool = False) -> Layer:
-        layer = self.resolve(name, version)
+    def remove(
+        self, name: str, version: str, force: bool = False, *, tenant: str | None = None
+    ) -> Layer:
+        _check_ref(name, version)
+        layer = self._read_record(name, version, tenant)
+        if layer is None:
+            owner = "the public catalog" if tenant is None else f"tenant {tenant}"
+            raise NotFound(f"{owner} has no layer {name}:{version}")
         held = self.holders(layer.digest)
-        shared = any(o.digest == layer.digest and o.ref != layer.ref for o in self.list_layers())
+        shared = any(
+            o.digest == layer.digest and (o.tenant, o.ref) != (tenant, layer.ref)
+            for o in self.list_layers()
+        )
         if held and not shared and not force:
             raise Conflict(
                 f"layer {layer.ref} is in use by {', '.join(held)}; remove it once they release "
                 "it, or with force if their nodes are gone (the image stays until its holds go)"
             )
-        self._record(name, version).unlink(missing_ok=True)
-        (self.cache_dir / "catalog" / name / f"{version}.json").unlink(missing_ok=True)
-        try:
-            self._record(name, version).parent.rmdir()
-        except OSError:  # other versions remain
-            pass
+        record = self._record(name, version, tenant)
+        record.unlink(missing_ok=True)
+        self._cached(name, version, tenant).unlink(missing_ok=True)
+        for empty in (record.parent, record.parent.parent) if tenant else (record.parent,):
+            try:
+                empty.rmdir()
+            except OSError:  # other versions (or names) remain
+                break
         return layer
 
     def gc(self) -> GcReport:
@@ -218,8 +252,7 @@ class ThreeFsStore(LayerStore):
         path = self._blob(digest)
         if not path.is_file():
             raise NotFound(
-                f"the image of {digest} is not in the store ({path} is missing); "
-                "import the layer again"
+                f"the image of {digest} is missing from the store; import the layer again"
             )
         return path
 
@@ -309,8 +342,37 @@ class ThreeFsStore(LayerStore):
     def _blob(self, digest: str) -> Path:
         return self.root / "blobs" / "sha256" / f"{_hex(digest)}.erofs"
 
-    def _record(self, name: str, version: str) -> Path:
-        return self.root / "layers" / name / f"{version}.json"
+    def _record(self, name: str, version: str, tenant: str | None) -> Path:
+        return self.root / "layers" / _scope(tenant) / name / f"{version}.json"
+
+    def _cached(self, name: str, version: str, tenant: str | None) -> Path:
+        return self.cache_dir / "catalog" / _scope(tenant) / name / f"{version}.json"
+
+    def _tenants(self) -> list[str]:
+        """Owners with a namespace in the store."""
+        return sorted(
+            p.name[1:] for p in (self.root / "layers").glob("@*") if _TENANT.fullmatch(p.name[1:])
+        )
+
+    def _lookup(self, name: str, version: str, tenant: str | None) -> Layer | None:
+        """The record of ``name:version`` in ``tenant``'s namespace (None: public), through
+        the node cache; None if there is none."""
+        path = self._record(name, version, tenant)
+        try:
+            st = path.stat()
+            cached = self._cached(name, version, tenant)
+            try:
+                cst = cached.stat()
+                fresh = (cst.st_mtime_ns, cst.st_size) == (st.st_mtime_ns, st.st_size)
+                raw = cached.read_bytes() if fresh else None
+            except FileNotFoundError:
+                raw = None
+            if raw is None:
+                raw = path.read_bytes()
+                _atomic_write(cached, raw, mtime_ns=st.st_mtime_ns)
+        except FileNotFoundError:  # none, or removed meanwhile
+            return None
+        return self._parse(raw, path, tenant)
 
     def _hold(self, digest: str, holder: str) -> Path:
         if not holder or holder.startswith(".") or len(holder) > 200:
@@ -331,20 +393,25 @@ class ThreeFsStore(LayerStore):
             os.fsync(f.fileno())
         os.rename(built.image, blob)
 
-    def _read_record(self, name: str, version: str) -> Layer | None:
-        path = self._record(name, version)
+    def _read_record(self, name: str, version: str, tenant: str | None) -> Layer | None:
+        path = self._record(name, version, tenant)
         try:
-            return self._parse(path.read_bytes(), path)
+            return self._parse(path.read_bytes(), path, tenant)
         except FileNotFoundError:
             return None
 
-    def _parse(self, raw: bytes, path: Path) -> Layer:
+    def _parse(self, raw: bytes, path: Path, tenant: str | None) -> Layer:
+        """The record at ``path``, owned by ``tenant``: where a record lies decides whose it
+        is, whatever it says (records older than owners say nothing, and are public)."""
         try:
             layer = Layer.model_validate_json(raw)
         except ValidationError as e:
-            raise Internal(f"catalog record {path} is unreadable ({e}); remove the file") from None
+            where = path.relative_to(self.root)
+            raise Internal(
+                f"catalog record {where} of the store is unreadable ({e}); remove it"
+            ) from None
         self._sizes[layer.digest] = layer.size
-        return layer
+        return layer if layer.tenant == tenant else layer.model_copy(update={"tenant": tenant})
 
     def _check(self, digest: str, image: Path) -> None:
         """Cheap corruption checks before a mount: size as recorded, EROFS magic."""
@@ -356,33 +423,52 @@ class ThreeFsStore(LayerStore):
         actual = image.stat().st_size
         if actual != size:
             raise InvalidArgument(
-                f"image {image} has {actual} bytes where the catalog says {size}: it is damaged; "
-                "remove the layer and import it again"
+                f"the image of {digest} has {actual} bytes where the catalog says {size}: it is "
+                "damaged; remove the layer and import it again"
             )
         erofs.check_magic(image)
 
-    def _missing(self, name: str, version: str) -> str:
+    def _missing(self, name: str, version: str, tenant: str | None) -> str:
+        """Why ``name:version`` is not found, from what ``tenant`` may see only (the same
+        words whether or not another tenant has such a layer; no store path)."""
         versions = sorted(
-            p.stem for p in (self.root / "layers" / name).glob("*.json") if p.name[0] != "."
+            {
+                p.stem
+                for owner in {None, tenant}
+                for p in (self.root / "layers" / _scope(owner) / name).glob("*.json")
+                if p.name[0] != "."
+            }
         )
         have = f"{name} has versions {', '.join(versions)}" if versions else f"none is named {name}"
         return (
-            f"layer {name}:{version} is not in the store at {self.root} ({have}); import it "
-            f"first (`dsec layer import`, name {name}, version {version})"
+            f"layer {name}:{version} is not in the layer store ({have}); publish a snapshot "
+            "under that name, or have the operator import it (`dsec layer import`)"
         )
 
 
 def _check_ref(name: str, version: str) -> None:
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise InvalidArgument(
             f"layer name {name!r} must be 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
         )
-    if not _VERSION.match(version):
+    if not _VERSION.fullmatch(version):
         raise InvalidArgument(
             f"layer version {version!r} must be 1-128 letters, digits, '.', '_', '+' or '-', "
             "starting with a letter or digit"
         )
+
+
+def _scope(tenant: str | None) -> Path:
+    """The part of a record's path that names its owner: none for public layers."""
+    if tenant is None:
+        return Path()
+    if not _TENANT.fullmatch(tenant):
+        raise InvalidArgument(
+            f"tenant {tenant!r} must be 1-63 letters, digits, '_' or '-', starting with a "
+            "letter or digit"
+        )
+    return Path(f"@{tenant}")
 
 
 def _hex(digest: str) -> str:

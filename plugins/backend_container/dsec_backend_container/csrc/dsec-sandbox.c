@@ -2,28 +2,60 @@
  * dsec-sandbox: the container backend's native helper. No Python stays behind per sandbox:
  * the only process an idle sandbox has is `init` below (a few hundred KiB).
  *
- *   dsec-sandbox init --rootfs DIR --lower A:B --upper DIR --work DIR --hostname NAME
- *                     [--netns FILE] [--cgroup FILE]... [--ready-fd N]
- *     Joins the cgroups (FILE is a cgroup.procs), enters new mount, PID, UTS, IPC and (unless
- *     --netns) network namespaces, mounts the overlay root with /proc, a minimal /dev and
- *     /sys, pivots into it and becomes PID 1: it reaps orphans and nothing else. Once ready,
- *     its host PID is written to --ready-fd (default 1) and this process exits 0; on failure
- *     the reason goes to stderr and it exits 1, leaving no process behind.
+ * Every command is started by the edge, as host root, with an empty environment and no
+ * inherited descriptor but those named on its command line. The order of privilege steps is
+ * written once, here: namespaces first, then the sandbox's user namespace, then the uid,
+ * capabilities, no_new_privs and seccomp, then exec. Every process this helper puts into a
+ * sandbox is non-dumpable from its start until it execs the sandbox's program (or for ever,
+ * for init and file operations), so nothing in the sandbox can ptrace it, read its memory or
+ * take its descriptors in the window before its seccomp filter is in place.
  *
- *   dsec-sandbox exec --pid PID [--cgroup FILE]... [--uid N] [--gid N] [--cwd DIR]
- *                     [--seccomp FILE] [--fsize BYTES] [--status-fd N] -- ARGV...
- *     Joins the cgroups and every namespace of PID (a sandbox's init), forks the command as
- *     a session leader, drops capabilities to a container set, sets no_new_privs, loads the
- *     seccomp program, and runs ARGV with this process's environment. On --status-fd it
- *     writes "pid <host pid>\n" when the command starts (its process group, for the caller to
- *     kill) and "status <wait status>\n" when it ends. Forwards SIGTERM/SIGINT/SIGHUP to the
- *     process group. Exits 0 once the command has ended, 1 if it could not start it.
+ *   dsec-sandbox init --dir DIR --lower A:B:... --uid-base N --uid-count N --hostname NAME
+ *                     [--netns FILE] [--cgroup FILE]... --ready-fd N
+ *     DIR holds rw/ (upper/ and work/ of the overlay, files owned by uids as the sandbox sees
+ *     them), m/ (mount points m/0.. for the lowers and m/rw) and rootfs/. Makes the
+ *     sandbox's user namespace (its uid and gid 0..N-1 are the host's BASE..BASE+N-1),
+ *     joins the cgroups (FILE is a cgroup.procs), enters new mount, PID, UTS, IPC and
+ *     (unless --netns) network namespaces, owned by the host's user namespace, so that root
+ *     in the sandbox has no power over them. Mounts the lowers and rw/ idmapped into the
+ *     sandbox's user namespace (files owned by 0 on disk are its root's), the overlay root
+ *     with /proc, a minimal /dev and /sys, pivots into it and becomes PID 1, in the
+ *     sandbox's user namespace as its root, with no capability: it reaps orphans and nothing
+ *     else; no signal sent from inside the sandbox reaches it. Once ready, this process sends
+ *     "<host pid>\n" with a pidfd of the init (SCM_RIGHTS) on --ready-fd (a unix socket) and
+ *     exits 0; on failure the reason goes to stderr and it exits 1, leaving no process.
+ *
+ *   dsec-sandbox exec --pidfd N [--cgroup FILE]... [--user NAME | --uid N --gid N]
+ *                     [--cwd DIR] [--seccomp FILE] [--fsize BYTES] [--env-fd N]
+ *                     --status-fd N -- ARGV...
+ *     Runs ARGV in the sandbox whose init --pidfd names (a pidfd cannot be reused: a dead
+ *     init is "lost", never another process). Joins the cgroups and the init's IPC, UTS,
+ *     network, PID and mount namespaces, forks the command as a session leader, which joins
+ *     the sandbox's user namespace, becomes the user (--user NAME is looked up in the
+ *     sandbox's own /etc/passwd, as its root), keeps a container capability set (root only),
+ *     enters --cwd, sets RLIMIT_FSIZE, no_new_privs and the seccomp program, and execs ARGV
+ *     with the environment read from --env-fd (NAME=VALUE\0...; nothing else). On
+ *     --status-fd it writes "pid <host pid>\n" when the command starts, "status <wait
+ *     status>\n" when it ends, "lost\n" if the sandbox is gone, "nouser\n" if --user is
+ *     unknown. Forwards SIGTERM/SIGINT/SIGHUP to the command's process group.
+ *
+ *   dsec-sandbox read --pidfd N --max BYTES PATH
+ *   dsec-sandbox write --pidfd N --mode MODE --size BYTES PATH   (the data on stdin)
+ *     A file operation as the sandbox's root, inside its mount and user namespaces: paths
+ *     and symlinks resolve in the sandbox's own tree, with its permissions. read writes the
+ *     whole regular file (at most BYTES) to stdout; write replaces PATH atomically (a
+ *     temporary name renamed into place), making missing parent directories (0755). Errors:
+ *     "error <errno> <what>\n" on stderr and exit 2; "lost\n" and exit 3 if the sandbox is
+ *     gone.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
+#include <limits.h>
 #include <linux/capability.h>
 #include <linux/filter.h>
+#include <linux/mount.h>
 #include <linux/seccomp.h>
 #include <net/if.h>
 #include <sched.h>
@@ -32,6 +64,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/fsuid.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
@@ -41,13 +74,16 @@
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
-#include <grp.h>
 #include <unistd.h>
 
 #define MAX_CGROUPS 16
+#define MAX_LOWERS 64
+#define SANDBOX_NS (CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS)
 
-static char *args_start, *args_end; /* our command line, rewritten by init to hide host paths */
+extern char **environ;
+static char *args_start, *args_end; /* our command line, rewritten by init */
 
 static void die(const char *fmt, ...) {
     va_list ap;
@@ -58,6 +94,14 @@ static void die(const char *fmt, ...) {
     fputc('\n', stderr);
     va_end(ap);
     _exit(1);
+}
+
+static long number(const char *opt, const char *v) {
+    char *end;
+    errno = 0;
+    long n = strtol(v, &end, 10);
+    if (errno || *end || end == v) die("%s: not a number: %s", opt, v);
+    return n;
 }
 
 static void write_file(const char *path, const char *text) {
@@ -73,12 +117,126 @@ static void join_cgroups(char **files, int n) {
     for (int i = 0; i < n; i++) write_file(files[i], pid);
 }
 
+/* inherited by init: the OOM killer spares it (needs CAP_SYS_RESOURCE, which some hosts'
+ * root lacks; without it init is tiny anyway) */
+static void spare_from_oom(void) {
+    int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (fd >= 0 && write(fd, "-1000", 5) < 0) { /* EACCES without CAP_SYS_RESOURCE */ }
+    if (fd >= 0) close(fd);
+}
+
+static void nondumpable(void) {
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0) die("prctl(DUMPABLE)");
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* capabilities                                                                              */
+
+/* what root in a sandbox keeps, in its own user namespace: Docker's default set without
+ * CAP_MKNOD (devices are the kernel's to refuse anyway: mknod needs it in the host's
+ * namespace). Over the sandbox's mount, network, UTS, IPC and PID namespaces, which the host
+ * owns, they give nothing. */
+static const int keep_caps[] = {
+    CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FSETID, CAP_FOWNER, CAP_NET_RAW, CAP_SETGID,
+    CAP_SETUID, CAP_SETFCAP, CAP_SETPCAP, CAP_NET_BIND_SERVICE, CAP_SYS_CHROOT, CAP_KILL,
+    CAP_AUDIT_WRITE,
+};
+
+static unsigned long long keep_mask(void) {
+    unsigned long long keep = 0;
+    for (size_t i = 0; i < sizeof keep_caps / sizeof keep_caps[0]; i++) keep |= 1ULL << keep_caps[i];
+    return keep;
+}
+
+static void set_caps(unsigned long long effective, unsigned long long permitted) {
+    struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2];
+    memset(data, 0, sizeof data);
+    for (int i = 0; i < 2; i++) {
+        data[i].effective = (unsigned int)(effective >> (32 * i));
+        data[i].permitted = (unsigned int)(permitted >> (32 * i));
+    }
+    if (syscall(SYS_capset, &hdr, data) < 0) die("capset");
+}
+
+static unsigned long long permitted_caps(void) {
+    struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2];
+    if (syscall(SYS_capget, &hdr, data) < 0) die("capget");
+    return (unsigned long long)data[0].permitted | (unsigned long long)data[1].permitted << 32;
+}
+
+/* keep only `keep` in the bounding set, clear the ambient and inheritable sets */
+static void bound_caps(unsigned long long keep) {
+    for (int c = 0; c <= CAP_LAST_CAP; c++)
+        if (!(keep & (1ULL << c)) && prctl(PR_CAPBSET_DROP, c, 0, 0, 0) < 0 && errno != EINVAL)
+            die("drop capability %d", c);
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* the sandbox's user namespace                                                              */
+
+/* A user namespace mapping 0..count-1 to base..base+count-1, held by the returned fd. Made
+ * by a short-lived child (a process in it could no longer mount as host root), whose maps
+ * this process writes. */
+static int make_userns(long base, long count) {
+    int go[2], done[2];
+    if (pipe2(go, O_CLOEXEC) < 0 || pipe2(done, O_CLOEXEC) < 0) die("pipe");
+    pid_t pid = fork();
+    if (pid < 0) die("fork");
+    if (pid == 0) {
+        char c = 0;
+        close(go[1]);
+        close(done[0]);
+        if (unshare(CLONE_NEWUSER) < 0) _exit(1);
+        if (write(done[1], &c, 1) != 1) _exit(1);
+        if (read(go[0], &c, 1) < 0) _exit(1); /* held until the parent has the fd */
+        _exit(0);
+    }
+    close(done[1]);
+    close(go[0]);
+    char c, path[64], map[64];
+    if (read(done[0], &c, 1) != 1) die("make the user namespace");
+    snprintf(map, sizeof map, "0 %ld %ld\n", base, count);
+    snprintf(path, sizeof path, "/proc/%d/uid_map", pid);
+    write_file(path, map);
+    snprintf(path, sizeof path, "/proc/%d/gid_map", pid);
+    write_file(path, map);
+    snprintf(path, sizeof path, "/proc/%d/ns/user", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) die("open %s", path);
+    close(go[1]);
+    close(done[0]);
+    waitpid(pid, NULL, 0);
+    return fd;
+}
+
+/* become uid/gid 0 of the user namespace just joined: the host's base uid */
+static void be_sandbox_root(void) {
+    if (setgroups(0, NULL) < 0) die("setgroups");
+    if (setresgid(0, 0, 0) < 0) die("setresgid");
+    if (setresuid(0, 0, 0) < 0) die("setresuid");
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* init                                                                                      */
 
 static void must_mount(const char *src, const char *dst, const char *type, unsigned long fl,
                        const char *data) {
     if (mount(src, dst, type, fl, data) < 0) die("mount %s on %s", type ? type : src, dst);
+}
+
+/* mount a clone of `src` on `dst` with the files' owners seen through `userns` */
+static void idmapped(const char *src, const char *dst, int userns, unsigned long long attr) {
+    int fd = (int)syscall(SYS_open_tree, AT_FDCWD, src, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+    if (fd < 0) die("open_tree %s", src);
+    struct mount_attr ma = {.attr_set = attr | MOUNT_ATTR_IDMAP, .userns_fd = (unsigned)userns};
+    if (syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH, &ma, sizeof ma) < 0)
+        die("idmap %s", src);
+    if (syscall(SYS_move_mount, fd, "", AT_FDCWD, dst, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+        die("move_mount %s", dst);
+    close(fd);
 }
 
 static void make_dev(void) {
@@ -107,14 +265,15 @@ static void make_dev(void) {
     symlink("/proc/self/fd/2", "dev/stderr");
 }
 
-/* Host-wide knobs under /proc (sysctls, sysrq, ...) only check uid 0: make them read-only,
- * and hide what tells about the host (Docker's lists). */
+/* Host-wide knobs under /proc: read-only, and hide what tells about the host (Docker's
+ * lists). Their owner (host root) is not mapped in the sandbox, which protects them already;
+ * this is the second line. */
 static void protect_proc(void) {
     static const char *readonly[] = {"proc/sys", "proc/sysrq-trigger", "proc/irq", "proc/bus",
                                      "proc/fs"};
     static const char *hidden[] = {"proc/kcore", "proc/keys", "proc/timer_list",
                                    "proc/sched_debug", "proc/latency_stats", "proc/acpi",
-                                   "proc/scsi", "proc/asound"};
+                                   "proc/scsi", "proc/asound", "proc/kallsyms", "proc/kmsg"};
     struct stat st;
     for (size_t i = 0; i < sizeof readonly / sizeof readonly[0]; i++) {
         if (stat(readonly[i], &st) < 0) continue;
@@ -131,6 +290,13 @@ static void protect_proc(void) {
     }
 }
 
+/* per network namespace: low ports and ping for the sandbox's root, who is not root of the
+ * namespace's owner */
+static void net_sysctls(void) {
+    write_file("proc/sys/net/ipv4/ip_unprivileged_port_start", "0");
+    write_file("proc/sys/net/ipv4/ping_group_range", "0 2147483647");
+}
+
 static void loopback_up(void) {
     int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     if (s < 0) return;
@@ -144,17 +310,42 @@ static void loopback_up(void) {
     close(s);
 }
 
-static void setup_root(const char *rootfs, const char *lower, const char *upper,
-                       const char *work, const char *hostname) {
-    char opts[8192];
-    if (snprintf(opts, sizeof opts, "lowerdir=%s,upperdir=%s,workdir=%s", lower, upper, work) >=
-        (int)sizeof opts)
-        die("overlay options too long");
+/* files made on the overlay from here belong to the sandbox's root (an idmapped upper takes
+ * only owners the sandbox maps); mounting still needs the capabilities this change drops
+ * from the effective set, so they are raised again */
+static void create_as(long uid) {
+    setfsgid((gid_t)uid);
+    setfsuid((uid_t)uid);
+    unsigned long long p = permitted_caps();
+    set_caps(p, p);
+}
+
+static void setup_root(const char *dir, char *lowers, long base, int userns, const char *host) {
+    char opts[4096], *save = NULL;
+    int n = 0, len;
     must_mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL);
-    must_mount("overlay", rootfs, "overlay", MS_NODEV, opts);
-    if (chdir(rootfs) < 0) die("chdir %s", rootfs);
+    if (chdir(dir) < 0) die("chdir to the sandbox directory");
+    len = snprintf(opts, sizeof opts, "lowerdir=");
+    for (char *p = strtok_r(lowers, ":", &save); p; p = strtok_r(NULL, ":", &save)) {
+        char dst[32];
+        if (n == MAX_LOWERS) die("more than %d lower layers", MAX_LOWERS);
+        snprintf(dst, sizeof dst, "m/%d", n);
+        idmapped(p, dst, userns, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV);
+        len += snprintf(opts + len, sizeof opts - len, "%sm/%d", n ? ":" : "", n);
+        n++;
+    }
+    if (!n) die("no lower layer");
+    idmapped("rw", "m/rw", userns, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV);
+    /* relative paths: the sandbox's mountinfo shows no host path */
+    if (snprintf(opts + len, sizeof opts - len, ",upperdir=m/rw/upper,workdir=m/rw/work") >=
+        (int)(sizeof opts - len))
+        die("overlay options too long");
+    create_as(base);
+    must_mount("overlay", "rootfs", "overlay", MS_NODEV, opts);
+    if (chdir("rootfs") < 0) die("chdir rootfs");
     mkdir("proc", 0555);
     must_mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    net_sysctls();
     mkdir("sys", 0555);
     must_mount("sysfs", "sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
     make_dev();
@@ -164,54 +355,68 @@ static void setup_root(const char *rootfs, const char *lower, const char *upper,
     if (syscall(SYS_pivot_root, ".", ".") < 0) die("pivot_root");
     if (umount2(".", MNT_DETACH) < 0) die("umount the old root");
     if (chdir("/") < 0) die("chdir /");
-    if (sethostname(hostname, strlen(hostname)) < 0) die("sethostname");
+    if (sethostname(host, strlen(host)) < 0) die("sethostname");
     loopback_up();
 }
 
-static int init_loop(void) {
-    sigset_t set;
-    sigfillset(&set);
-    sigprocmask(SIG_BLOCK, &set, NULL);
-    int fd = open("/dev/null", O_RDWR);
-    for (int i = 0; i < 3; i++) dup2(fd, i);
-    if (fd > 2) close(fd);
+/* PID 1 of the sandbox: reap orphans for ever. Every signal but SIGCHLD keeps its default
+ * action and is not blocked, so the kernel drops it when it comes from inside the sandbox
+ * (SIGKILL included); only the host can kill init. */
+static _Noreturn void init_loop(void) {
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    sigprocmask(SIG_SETMASK, &chld, NULL);
     for (;;) {
         siginfo_t info;
-        if (sigwaitinfo(&set, &info) < 0) continue;
-        if (info.si_signo == SIGCHLD) {
-            while (waitpid(-1, NULL, WNOHANG) > 0) {}
-        } else if (info.si_signo == SIGTERM) {
-            kill(-1, SIGKILL);
-            return 0;
-        }
+        if (sigwaitinfo(&chld, &info) < 0) continue;
+        while (waitpid(-1, NULL, WNOHANG) > 0) {}
     }
 }
 
+static void send_ready(int sock, pid_t pid, int pidfd) {
+    char text[32];
+    int n = snprintf(text, sizeof text, "%d\n", pid);
+    struct iovec iov = {text, (size_t)n};
+    union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } u;
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+                         .msg_controllen = sizeof u.buf};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &pidfd, sizeof(int));
+    if (sendmsg(sock, &msg, 0) != n) die("report the init");
+}
+
 static int cmd_init(int argc, char **argv) {
-    const char *rootfs = NULL, *lower = NULL, *upper = NULL, *work = NULL, *host = "sandbox";
-    const char *netns = NULL;
-    char *cgroups[MAX_CGROUPS];
-    int ncg = 0, ready_fd = 1;
-    for (int i = 0; i < argc; i++) {
+    const char *dir = NULL, *host = "sandbox", *netns = NULL;
+    char *lowers = NULL, *cgroups[MAX_CGROUPS];
+    int ncg = 0, ready = -1;
+    long base = -1, count = 65536;
+    for (int i = 0; i < argc; i += 2) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) die("%s needs a value", a);
-        if (!strcmp(a, "--rootfs")) rootfs = v;
-        else if (!strcmp(a, "--lower")) lower = v;
-        else if (!strcmp(a, "--upper")) upper = v;
-        else if (!strcmp(a, "--work")) work = v;
+        if (!strcmp(a, "--dir")) dir = v;
+        else if (!strcmp(a, "--lower")) lowers = (char *)v;
+        else if (!strcmp(a, "--uid-base")) base = number(a, v);
+        else if (!strcmp(a, "--uid-count")) count = number(a, v);
         else if (!strcmp(a, "--hostname")) host = v;
         else if (!strcmp(a, "--netns")) netns = v;
-        else if (!strcmp(a, "--ready-fd")) ready_fd = atoi(v);
+        else if (!strcmp(a, "--ready-fd")) ready = (int)number(a, v);
         else if (!strcmp(a, "--cgroup") && ncg < MAX_CGROUPS) cgroups[ncg++] = (char *)v;
         else die("unknown option %s", a);
-        i++;
     }
     errno = 0;
-    if (!rootfs || !lower || !upper || !work) die("init needs --rootfs --lower --upper --work");
+    if (!dir || !lowers || base <= 0 || count <= 0 || ready < 0)
+        die("init needs --dir --lower --uid-base --ready-fd");
+    nondumpable();
+    spare_from_oom();
     join_cgroups(cgroups, ncg);
+    int userns = make_userns(base, count);
     if (netns) {
         int fd = open(netns, O_RDONLY | O_CLOEXEC);
-        if (fd < 0 || setns(fd, CLONE_NEWNET) < 0) die("enter network namespace %s", netns);
+        if (fd < 0 || setns(fd, CLONE_NEWNET) < 0) die("enter the network namespace");
         close(fd);
     }
     int flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC;
@@ -223,28 +428,38 @@ static int cmd_init(int argc, char **argv) {
     if (pid < 0) die("fork");
     if (pid == 0) {
         close(sync[0]);
-        if (ready_fd > 2) close(ready_fd);
-        setup_root(rootfs, lower, upper, work, host);
+        close(ready);
+        setup_root(dir, lowers, base, userns, host);
+        if (setns(userns, CLONE_NEWUSER) < 0) die("enter the user namespace");
+        close(userns);
+        be_sandbox_root();
+        bound_caps(0);
+        set_caps(0, 0);
+        if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die("no_new_privs");
+        nondumpable(); /* changing uid made it so already; said again, as the contract */
         memset(args_start, 0, args_end - args_start);
         strcpy(args_start, "init");
+        int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+        if (null < 0) die("open /dev/null");
         if (write(sync[1], "1", 1) != 1) _exit(1);
-        close(sync[1]);
-        _exit(init_loop());
+        for (int i = 0; i < 3; i++) dup2(null, i);
+        syscall(SYS_close_range, 3, ~0U, 0);
+        init_loop();
     }
     close(sync[1]);
+    close(userns);
     char ok;
     if (read(sync[0], &ok, 1) != 1) {
-        int status;
-        waitpid(pid, &status, 0);
+        waitpid(pid, NULL, 0);
         errno = 0;
         die("the sandbox did not start (see above)");
     }
-    char out[32];
-    int n = snprintf(out, sizeof out, "%d\n", pid);
-    if (write(ready_fd, out, n) != n) {
+    int pidfd = (int)syscall(SYS_pidfd_open, pid, 0); /* our child: cannot be another */
+    if (pidfd < 0) {
         kill(pid, SIGKILL);
-        die("report the init pid");
+        die("pidfd_open");
     }
+    send_ready(ready, pid, pidfd);
     return 0;
 }
 
@@ -255,33 +470,6 @@ static pid_t child = -1;
 
 static void forward(int sig) {
     if (child > 0) kill(-child, sig);
-}
-
-/* capabilities a container keeps: Docker's default set without CAP_MKNOD (no devices
- * cgroup here, so a device node made in the sandbox would reach the host's disks) */
-static const int keep_caps[] = {
-    CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FSETID, CAP_FOWNER, CAP_NET_RAW, CAP_SETGID,
-    CAP_SETUID, CAP_SETFCAP, CAP_SETPCAP, CAP_NET_BIND_SERVICE, CAP_SYS_CHROOT, CAP_KILL,
-    CAP_AUDIT_WRITE,
-};
-
-static void drop_capabilities(void) {
-    unsigned long long keep = 0;
-    for (size_t i = 0; i < sizeof keep_caps / sizeof keep_caps[0]; i++) keep |= 1ULL << keep_caps[i];
-    for (int c = 0; c <= CAP_LAST_CAP; c++)
-        if (!(keep & (1ULL << c)) && prctl(PR_CAPBSET_DROP, c, 0, 0, 0) < 0 && errno != EINVAL)
-            die("drop capability %d", c);
-    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
-    struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
-    struct __user_cap_data_struct data[2];
-    if (syscall(SYS_capget, &hdr, data) < 0) die("capget");
-    for (int i = 0; i < 2; i++) {
-        unsigned int k = (unsigned int)(keep >> (32 * i));
-        data[i].effective &= k;
-        data[i].permitted &= k;
-        data[i].inheritable = 0;
-    }
-    if (syscall(SYS_capset, &hdr, data) < 0) die("capset");
 }
 
 static struct sock_filter prog[4096];
@@ -301,45 +489,100 @@ static void load_seccomp(unsigned short len) {
     if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog, 0, 0) < 0) die("load seccomp");
 }
 
+/* NAME=VALUE\0... from fd, as an environment (NULL-terminated) */
+static char **read_env(int fd) {
+    size_t cap = 1 << 16, len = 0;
+    char *buf = malloc(cap);
+    if (!buf) die("malloc");
+    for (;;) {
+        if (len == cap && !(buf = realloc(buf, cap *= 2))) die("realloc");
+        ssize_t n = read(fd, buf + len, cap - len);
+        if (n < 0) die("read the environment");
+        if (n == 0) break;
+        len += (size_t)n;
+    }
+    close(fd);
+    size_t count = 0;
+    for (size_t i = 0; i < len; i++) count += buf[i] == '\0';
+    char **env = calloc(count + 1, sizeof *env);
+    if (!env) die("calloc");
+    for (size_t i = 0, k = 0; i < len && k < count; k++) {
+        env[k] = buf + i;
+        i += strlen(buf + i) + 1;
+    }
+    return env;
+}
+
+/* uid and primary gid of `name` in the sandbox's /etc/passwd (read as its root) */
+static int lookup_user(const char *name, long *uid, long *gid) {
+    int fd = open("/etc/passwd", O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_size > (1 << 20)) return 0;
+    char *data = malloc((size_t)st.st_size + 1);
+    ssize_t n = data ? read(fd, data, (size_t)st.st_size) : -1;
+    close(fd);
+    if (n < 0) return 0;
+    data[n] = '\0';
+    size_t want = strlen(name);
+    for (char *line = data; line && *line;) {
+        char *next = strchr(line, '\n');
+        if (next) *next++ = '\0';
+        char *f[4] = {line};
+        int k = 1;
+        for (char *p = line; *p && k < 4; p++)
+            if (*p == ':') { *p = '\0'; f[k++] = p + 1; }
+        if (k == 4 && strlen(f[0]) == want && !strcmp(f[0], name)) {
+            char *end;
+            *uid = strtol(f[2], &end, 10);
+            *gid = strtol(f[3], &end, 10);
+            return *uid >= 0 && *gid >= 0;
+        }
+        line = next;
+    }
+    return 0;
+}
+
+static void status_line(int fd, const char *fmt, long value) {
+    char out[48];
+    int n = snprintf(out, sizeof out, fmt, value);
+    if (fd >= 0 && write(fd, out, n) != n) { /* the caller stopped listening: carry on */ }
+}
+
 static int cmd_exec(int argc, char **argv) {
-    const char *cwd = "/", *seccomp = NULL;
+    const char *cwd = "/", *seccomp = NULL, *user = NULL;
     char *cgroups[MAX_CGROUPS];
-    int ncg = 0, pid_fd = -1;
-    long uid = -1, gid = -1, fsize = -1;
-    pid_t target = 0;
+    int ncg = 0, status_fd = -1, env_fd = -1, pidfd = -1;
+    long uid = 0, gid = 0, fsize = -1;
     int i = 0;
-    for (; i < argc && strcmp(argv[i], "--"); i++) {
+    for (; i < argc && strcmp(argv[i], "--"); i += 2) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) die("%s needs a value", a);
-        if (!strcmp(a, "--pid")) target = atoi(v);
-        else if (!strcmp(a, "--uid")) uid = atol(v);
-        else if (!strcmp(a, "--gid")) gid = atol(v);
+        if (!strcmp(a, "--pidfd")) pidfd = (int)number(a, v);
+        else if (!strcmp(a, "--uid")) uid = number(a, v);
+        else if (!strcmp(a, "--gid")) gid = number(a, v);
+        else if (!strcmp(a, "--user")) user = v;
         else if (!strcmp(a, "--cwd")) cwd = v;
         else if (!strcmp(a, "--seccomp")) seccomp = v;
-        else if (!strcmp(a, "--status-fd")) pid_fd = atoi(v);
-        else if (!strcmp(a, "--fsize")) fsize = atol(v);
+        else if (!strcmp(a, "--status-fd")) status_fd = (int)number(a, v);
+        else if (!strcmp(a, "--env-fd")) env_fd = (int)number(a, v);
+        else if (!strcmp(a, "--fsize")) fsize = number(a, v);
         else if (!strcmp(a, "--cgroup") && ncg < MAX_CGROUPS) cgroups[ncg++] = (char *)v;
         else die("unknown option %s", a);
-        i++;
     }
     errno = 0;
-    if (i >= argc - 1 || target <= 0) die("exec needs --pid PID -- ARGV");
+    if (i >= argc - 1 || pidfd < 0 || status_fd < 0) die("exec needs --pidfd --status-fd -- ARGV");
+    nondumpable();
     char **cmd = argv + i + 1;
+    char *empty[] = {NULL};
+    char **env = env_fd >= 0 ? read_env(env_fd) : empty;
     unsigned short filter_len = seccomp ? read_seccomp(seccomp) : 0;
     join_cgroups(cgroups, ncg);
-    static const struct { const char *name; int type; } ns[] = {
-        {"ipc", CLONE_NEWIPC}, {"uts", CLONE_NEWUTS}, {"net", CLONE_NEWNET},
-        {"pid", CLONE_NEWPID}, {"mnt", CLONE_NEWNS},
-    };
-    int fds[5];
-    char path[64];
-    for (int k = 0; k < 5; k++) {
-        snprintf(path, sizeof path, "/proc/%d/ns/%s", target, ns[k].name);
-        if ((fds[k] = open(path, O_RDONLY | O_CLOEXEC)) < 0) die("open %s", path);
-    }
-    for (int k = 0; k < 5; k++) {
-        if (setns(fds[k], ns[k].type) < 0) die("enter the sandbox's %s namespace", ns[k].name);
-        close(fds[k]);
+    if (setns(pidfd, SANDBOX_NS) < 0) {
+        if (errno == ESRCH) {
+            status_line(status_fd, "lost\n", 0);
+            return 3;
+        }
+        die("enter the sandbox");
     }
     child = fork();
     if (child < 0) die("fork");
@@ -348,10 +591,18 @@ static int cmd_exec(int argc, char **argv) {
         sigset_t none;
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
-        if (pid_fd > 2) close(pid_fd);
-        drop_capabilities(); /* first, as root: changing uid leaves no right to do it */
-        if (gid >= 0 && (setgroups(0, NULL) < 0 || setresgid(gid, gid, gid) < 0)) die("setgid");
-        if (uid >= 0 && setresuid(uid, uid, uid) < 0) die("setuid");
+        if (setns(pidfd, CLONE_NEWUSER) < 0) die("enter the user namespace");
+        close(pidfd);
+        be_sandbox_root();
+        if (user && !lookup_user(user, &uid, &gid)) {
+            status_line(status_fd, "nouser\n", 0);
+            _exit(125);
+        }
+        fcntl(status_fd, F_SETFD, FD_CLOEXEC);
+        if (setresgid((gid_t)gid, (gid_t)gid, (gid_t)gid) < 0) die("setgid");
+        bound_caps(keep_mask());
+        if (setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0) die("setuid");
+        if (uid == 0) set_caps(keep_mask(), keep_mask());
         if (chdir(cwd) < 0) {
             fprintf(stderr, "dsec: cannot enter %s: %s\n", cwd, strerror(errno));
             _exit(126);
@@ -362,15 +613,12 @@ static int cmd_exec(int argc, char **argv) {
         }
         if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die("no_new_privs");
         if (filter_len) load_seccomp(filter_len);
+        environ = env; /* execvp searches this PATH */
         execvp(cmd[0], cmd);
         fprintf(stderr, "dsec: cannot run %s: %s\n", cmd[0], strerror(errno));
         _exit(errno == ENOENT ? 127 : 126);
     }
-    char out[48];
-    if (pid_fd >= 0) {
-        int n = snprintf(out, sizeof out, "pid %d\n", child);
-        if (write(pid_fd, out, n) != n) { /* the caller stopped listening: carry on */ }
-    }
+    status_line(status_fd, "pid %ld\n", child);
     struct sigaction sa = {0};
     sa.sa_handler = forward;
     sigaction(SIGTERM, &sa, NULL);
@@ -379,11 +627,156 @@ static int cmd_exec(int argc, char **argv) {
     int status;
     while (waitpid(child, &status, 0) < 0)
         if (errno != EINTR) die("wait");
-    if (pid_fd >= 0) {
-        int n = snprintf(out, sizeof out, "status %d\n", status);
-        if (write(pid_fd, out, n) != n) { /* gone */ }
+    status_line(status_fd, "status %ld\n", status);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* files                                                                                     */
+
+static void fail(const char *what) {
+    fprintf(stderr, "error %d %s\n", errno, what);
+    _exit(2);
+}
+
+/* Continue as the sandbox's root in a child inside its mount, PID and user namespaces (in
+ * its PID namespace, what /proc tells is the sandbox's own, e.g. /proc/loadavg's last pid);
+ * this process waits and exits as the child does. */
+static void enter_files(int pidfd) {
+    if (setns(pidfd, CLONE_NEWNS | CLONE_NEWPID) < 0) {
+        if (errno == ESRCH) {
+            fputs("lost\n", stderr);
+            _exit(3);
+        }
+        die("enter the sandbox");
+    }
+    pid_t pid = fork();
+    if (pid < 0) die("fork");
+    if (pid > 0) {
+        int status;
+        while (waitpid(pid, &status, 0) < 0)
+            if (errno != EINTR) die("wait");
+        _exit(WIFEXITED(status) ? WEXITSTATUS(status) : 2);
+    }
+    if (setns(pidfd, CLONE_NEWUSER) < 0) die("enter the user namespace");
+    close(pidfd);
+    be_sandbox_root();
+    if (chdir("/") < 0) die("chdir /");
+}
+
+static int cmd_read(int pidfd, long max, const char *path) {
+    enter_files(pidfd);
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC); /* a FIFO: not blocked */
+    if (fd < 0) fail("open");
+    struct stat st;
+    if (fstat(fd, &st) < 0) fail("stat");
+    if (!S_ISREG(st.st_mode)) {
+        errno = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
+        fail("not a regular file");
+    }
+    if (st.st_size > max) {
+        errno = EFBIG;
+        fail("too large");
+    }
+    char buf[1 << 16];
+    long total = 0;
+    for (;;) {
+        ssize_t n = read(fd, buf, sizeof buf);
+        if (n < 0) fail("read");
+        if (n == 0) break;
+        if ((total += n) > max) {
+            errno = EFBIG;
+            fail("too large");
+        }
+        for (ssize_t off = 0; off < n;) {
+            ssize_t w = write(1, buf + off, (size_t)(n - off));
+            if (w < 0) fail("write");
+            off += w;
+        }
     }
     return 0;
+}
+
+/* an fd of directory `path` (absolute), each missing component made 0755 */
+static int make_parents(char *path) {
+    int fd = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    char *save = NULL;
+    for (char *p = strtok_r(path, "/", &save); p; p = strtok_r(NULL, "/", &save)) {
+        int next = openat(fd, p, O_PATH | O_DIRECTORY | O_CLOEXEC);
+        if (next < 0 && errno == ENOENT) {
+            if (mkdirat(fd, p, 0755) < 0 && errno != EEXIST) fail("mkdir");
+            next = openat(fd, p, O_PATH | O_DIRECTORY | O_CLOEXEC);
+        }
+        if (next < 0) fail("parent");
+        close(fd);
+        fd = next;
+    }
+    return fd;
+}
+
+static int cmd_write(int pidfd, long mode, long size, char *path) {
+    enter_files(pidfd);
+    char *slash = strrchr(path, '/');
+    const char *name = slash + 1;
+    *slash = '\0';
+    int dir = make_parents(path);
+    char tmp[NAME_MAX + 16];
+    if (snprintf(tmp, sizeof tmp, ".%s.dsec-tmp", name) >= (int)sizeof tmp) {
+        errno = ENAMETOOLONG;
+        fail("name");
+    }
+    unlinkat(dir, tmp, 0); /* whatever is there (a FIFO, say) goes; ours is new */
+    int fd = openat(dir, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) fail("create");
+    char buf[1 << 16];
+    long total = 0;
+    for (;;) {
+        ssize_t n = read(0, buf, sizeof buf);
+        if (n < 0) fail("read");
+        if (n == 0) break;
+        total += n;
+        for (ssize_t off = 0; off < n;) {
+            ssize_t w = write(fd, buf + off, (size_t)(n - off));
+            if (w < 0) {
+                unlinkat(dir, tmp, 0);
+                fail("write");
+            }
+            off += w;
+        }
+    }
+    if (total != size) {
+        unlinkat(dir, tmp, 0);
+        errno = EIO;
+        fail("short data");
+    }
+    if (fchmod(fd, (mode_t)(mode & 0777)) < 0 || close(fd) < 0) fail("close");
+    if (renameat(dir, tmp, dir, name) < 0) {
+        int e = errno;
+        unlinkat(dir, tmp, 0);
+        errno = e;
+        fail("rename");
+    }
+    return 0;
+}
+
+static int cmd_file(const char *op, int argc, char **argv) {
+    int pidfd = -1;
+    long max = 0, mode = 0644, size = -1;
+    int i = 0;
+    for (; i + 1 < argc && !strncmp(argv[i], "--", 2); i += 2) {
+        const char *a = argv[i], *v = argv[i + 1];
+        if (!strcmp(a, "--pidfd")) pidfd = (int)number(a, v);
+        else if (!strcmp(a, "--max")) max = number(a, v);
+        else if (!strcmp(a, "--mode")) mode = number(a, v);
+        else if (!strcmp(a, "--size")) size = number(a, v);
+        else die("unknown option %s", a);
+    }
+    errno = 0;
+    if (pidfd < 0 || i != argc - 1 || argv[i][0] != '/') die("%s needs --pidfd and a path", op);
+    nondumpable();
+    if (!strcmp(op, "read")) return cmd_read(pidfd, max, argv[i]);
+    if (size < 0) die("write needs --size");
+    return cmd_write(pidfd, mode, size, argv[i]);
 }
 
 int main(int argc, char **argv) {
@@ -391,6 +784,8 @@ int main(int argc, char **argv) {
     args_end = argv[argc - 1] + strlen(argv[argc - 1]) + 1;
     if (argc >= 2 && !strcmp(argv[1], "init")) return cmd_init(argc - 2, argv + 2);
     if (argc >= 2 && !strcmp(argv[1], "exec")) return cmd_exec(argc - 2, argv + 2);
-    fprintf(stderr, "usage: dsec-sandbox init|exec ... (see the source's header)\n");
+    if (argc >= 2 && (!strcmp(argv[1], "read") || !strcmp(argv[1], "write")))
+        return cmd_file(argv[1], argc - 2, argv + 2);
+    fprintf(stderr, "usage: dsec-sandbox init|exec|read|write ... (see the source's header)\n");
     return 2;
 }

@@ -1,0 +1,181 @@
+"""The filesystem of sandboxes' writable layers: btrfs, one subvolume per sandbox, each with a
+quota (a btrfs qgroup limit on the bytes it references, metadata included).
+
+A sandbox that fills its quota gets ``EDQUOT`` ("Disk quota exceeded") inside, and nothing
+else is touched: the node's other sandboxes keep their room, and the host's own filesystem
+only ever sees one image file of bounded size. Every inode a sandbox makes costs it metadata
+bytes (about 350 measured), so a flood of empty files ends at the same limit.
+
+Where ``root`` is already on btrfs (an operator's disk), it is used as it is. Otherwise the
+filesystem is a sparse image file, made once (``mkfs.btrfs``) and mounted through a loop
+device on ``root``; it stays mounted while sandboxes live (an edge restart adopts it) and is
+unmounted when the backend closes with none left. Deleted subvolumes give their blocks back
+to the host (``discard``).
+
+Why btrfs: this kernel has neither ext4 nor XFS quotas (no CONFIG_QFMT_V2, no
+CONFIG_XFS_QUOTA), and a loop-mounted filesystem per sandbox costs ~7 ms and ~140 KiB of
+kernel memory each (measured), against 0.1 ms and 3 KiB for a subvolume with a limit.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+from dsec_kernel import errors, linux
+
+__all__ = ["UpperFs"]
+
+_BTRFS_MAGIC = 0x9123683E
+# ioctls of <linux/btrfs.h> (magic 0x94)
+_SUBVOL_CREATE = 0x5000940E  # _IOW(14, struct btrfs_ioctl_vol_args): 4096 bytes
+_SNAP_DESTROY = 0x5000940F  # _IOW(15, struct btrfs_ioctl_vol_args)
+_INO_LOOKUP = 0xD0009412  # _IOWR(18, struct btrfs_ioctl_ino_lookup_args): 4096 bytes
+_QUOTA_CTL = 0xC0109428  # _IOWR(40, struct btrfs_ioctl_quota_ctl_args): cmd, status
+_QGROUP_LIMIT = 0x8030942B  # _IOR(43, struct btrfs_ioctl_qgroup_limit_args): 48 bytes
+_QUOTA_ENABLE = 1
+_LIMIT_MAX_RFER = 1
+_FIRST_FREE_OBJECTID = 256  # the inode number of every subvolume's root directory
+
+
+def _vol_args(name: str) -> bytearray:
+    raw = name.encode()
+    if not raw or b"/" in raw or len(raw) > 255:
+        raise ValueError(f"bad subvolume name {name!r}")
+    return bytearray(struct.pack("q4088s", 0, raw))
+
+
+def _statfs_type(path: Path) -> int:
+    import ctypes
+
+    buf = ctypes.create_string_buffer(120)  # struct statfs; f_type is its first field
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.statfs(str(path).encode(), buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(path))
+    return struct.unpack_from("q", buf.raw)[0] & 0xFFFFFFFF
+
+
+def _mount_point(path: Path) -> bool:
+    """Whether ``path`` is itself a mount point in this mount namespace."""
+    target = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4].replace("\\040", " ") == target for line in f)
+
+
+class UpperFs:
+    """Sandboxes' writable layers below ``root``; see the module docstring."""
+
+    def __init__(self, root: Path, image: Path, size_bytes: int = 0) -> None:
+        """``image``: the image file made when ``root`` is not on btrfs; ``size_bytes`` its
+        size (0: nine tenths of the free space where it is made; it is sparse)."""
+        self.root = root
+        self.image = image
+        self.size_bytes = size_bytes
+        self.owned = False  # mounted from our image (so ours to unmount)
+
+    def open(self) -> UpperFs:
+        """Make ``root`` a btrfs with quotas on. Unavailable, with the reason, if it cannot."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        if _mount_point(self.root) and _statfs_type(self.root) == _BTRFS_MAGIC:
+            self.owned = self.image.exists()  # ours from an earlier start, or the operator's
+        elif _statfs_type(self.root) != _BTRFS_MAGIC:
+            self._mount_image()
+            self.owned = True
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.ioctl(fd, _QUOTA_CTL, bytearray(struct.pack("QQ", _QUOTA_ENABLE, 0)))
+        except OSError as exc:
+            raise errors.Unavailable(f"cannot turn on btrfs quotas on {self.root}: {exc}") from None
+        finally:
+            os.close(fd)
+        return self
+
+    def _mount_image(self) -> None:
+        if shutil.which("mkfs.btrfs") is None:
+            raise errors.Unavailable(
+                "sandboxes' disk quotas need btrfs: apt-get install btrfs-progs"
+            )
+        if not self.image.exists():
+            size = self.size_bytes or shutil.disk_usage(self.image.parent).free * 9 // 10
+            tmp = self.image.with_suffix(".tmp")
+            with open(tmp, "wb") as f:
+                f.truncate(size)
+            run = subprocess.run(["mkfs.btrfs", "-q", "-f", str(tmp)], capture_output=True)
+            if run.returncode != 0:
+                tmp.unlink()
+                raise errors.Unavailable(
+                    f"mkfs.btrfs failed: {run.stderr.decode(errors='replace').strip()}"
+                )
+            tmp.replace(self.image)
+        run = subprocess.run(
+            ["mount", "-o", "loop,discard=async", str(self.image), str(self.root)],
+            capture_output=True,
+        )
+        if run.returncode != 0:
+            raise errors.Unavailable(
+                f"cannot mount {self.image}: {run.stderr.decode(errors='replace').strip()}"
+            )
+
+    def close(self) -> None:
+        """Unmount our image if no sandbox is left on it (only a trash directory may be)."""
+        if not self.owned or any(p.name != ".trash" for p in self.root.iterdir()):
+            return
+        trash = self.root / ".trash"
+        if trash.exists() and any(trash.iterdir()):
+            return
+        try:
+            linux.umount(str(self.root))
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # not mounted any more
+                raise
+
+    # -- subvolumes --------------------------------------------------------------------------
+
+    def create(self, path: Path, limit_bytes: int) -> None:
+        """A subvolume at ``path`` (its parent must exist on this filesystem) whose files may
+        reference at most ``limit_bytes``."""
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.ioctl(parent, _SUBVOL_CREATE, _vol_args(path.name))
+        finally:
+            os.close(parent)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            lookup = bytearray(struct.pack("QQ4080s", 0, _FIRST_FREE_OBJECTID, b""))
+            fcntl.ioctl(fd, _INO_LOOKUP, lookup)
+            subvolume = struct.unpack_from("Q", lookup)[0]
+            limit = struct.pack("QQQQQQ", subvolume, _LIMIT_MAX_RFER, limit_bytes, 0, 0, 0)
+            fcntl.ioctl(fd, _QGROUP_LIMIT, bytearray(limit))
+        except BaseException:
+            os.close(fd)
+            fd = -1
+            self.delete(path)
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def delete(self, path: Path) -> None:
+        """Delete the subvolume at ``path`` with all it holds (the kernel frees its blocks in
+        the background; its quota group goes with it). A missing one is nothing to do."""
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.ioctl(parent, _SNAP_DESTROY, _vol_args(path.name))
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(parent)
+
+    @staticmethod
+    def is_subvolume(path: Path) -> bool:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        return st.st_ino == _FIRST_FREE_OBJECTID and os.path.isdir(path)
