@@ -1,7 +1,10 @@
 """Shared test fixtures: real platform processes (nats-server, apiservers, edges) and a leak check.
 
-The session ends by checking that the tests left no DSec or nats-server process, no new
-mount and no network namespace behind.
+The session runs in cgroups of its own, so everything it starts (services, sandboxes,
+their cgroups) stays below them, and ends by checking that the tests left no process or
+cgroup there, no mount below its temporary directory, and no new network namespace,
+interface or swap device on the machine. Other work sharing the machine is not counted
+against it (but for interfaces and swap, which have no owner to tell).
 """
 
 from __future__ import annotations
@@ -17,26 +20,23 @@ from dsec_kernel.cluster import LocalCluster
 
 pytest.register_assert_rewrite("dsec_kernel.conformance")  # before any test imports it
 
-_OURS = ("nats-server", "dsec_kernel.cli", "dsec_backend_fncall", "dsec up")
 
-
-def our_processes() -> dict[int, str]:
-    """pid -> command line of every nats-server / DSec process on the machine."""
+def session_processes(groups: dict[str, Path]) -> dict[int, str]:
+    """pid -> command line of every process in this session's cgroups (but pytest)."""
     found = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
+    for procs in groups["pids"].rglob("cgroup.procs") if "pids" in groups else ():
         try:
-            cmd = (
-                Path(f"/proc/{pid}/cmdline")
-                .read_bytes()
-                .replace(b"\0", b" ")
-                .decode(errors="replace")
-            )
+            pids = procs.read_text().split()
         except OSError:
             continue
-        if any(s in cmd for s in _OURS):
-            found[int(pid)] = cmd[:200]
+        for pid in map(int, pids):
+            if pid == os.getpid():
+                continue
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            found[pid] = cmd.decode(errors="replace")[:200]
     return found
 
 
@@ -53,12 +53,11 @@ def links_and_swaps() -> set[str]:
     return {*os.listdir("/sys/class/net"), *(line.split()[0] for line in swaps if line)}
 
 
-def mounts() -> set[str]:
-    """Mount points with their source and type (options may change under a test: the
-    container backend turns on favordynmods on the cgroup2 mount)."""
-    return {
-        " ".join(line.split()[:3]) for line in Path("/proc/self/mounts").read_text().splitlines()
-    }
+def mounts(below: str) -> set[str]:
+    """Mount points under ``below`` (where this session's files are) with their source and
+    type."""
+    found = (line.split()[:3] for line in Path("/proc/self/mounts").read_text().splitlines())
+    return {" ".join(m) for m in found if m[1].startswith(below)}
 
 
 def cgroups() -> set[str]:
@@ -75,15 +74,44 @@ def hermetic():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_leaks(hermetic):
+def session_cgroups(hermetic):
+    """Move pytest into a cgroup of its own in every v1 hierarchy that takes it (cpuset,
+    with no CPUs of its own, does not); back out at the end."""
+    parents = v1_controllers()
+    made: dict[str, Path] = {}
+    me = str(os.getpid())
+    for controller, parent in parents.items():
+        group = parent / f"dsec-tests-{me}"
+        try:
+            group.mkdir(exist_ok=True)
+            (group / "cgroup.procs").write_text(me)
+            made[controller] = group
+        except OSError:
+            try:
+                group.rmdir()
+            except OSError:
+                pass
+    yield made
+    for controller, group in made.items():
+        (parents[controller] / "cgroup.procs").write_text(me)
+        try:
+            group.rmdir()
+        except OSError:  # something was left in it: the leak check said what
+            pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaks(session_cgroups, tmp_path_factory):
     """Fail the session if it leaves processes, mounts, cgroups, netns, network interfaces
     or swap devices behind."""
-    before = (set(our_processes()), mounts(), netns_entries(), cgroups(), links_and_swaps())
+    here = str(tmp_path_factory.getbasetemp())
+    before = (set(session_processes(session_cgroups)), mounts(here), netns_entries(), cgroups(),
+              links_and_swaps())  # fmt: skip
     yield
     deadline = time.monotonic() + 15
     while True:
-        procs = {p: c for p, c in our_processes().items() if p not in before[0]}
-        new_mounts = mounts() - before[1]
+        procs = {p: c for p, c in session_processes(session_cgroups).items() if p not in before[0]}
+        new_mounts = mounts(here) - before[1]
         new_netns = netns_entries() - before[2]
         new_cgroups = cgroups() - before[3]
         new_devices = links_and_swaps() - before[4]
