@@ -1,4 +1,5 @@
-"""Run N simulated edges (the noop backend) in one process: ``python sim_edges.py URL N``.
+"""Run N simulated edges (the noop backend) in one process: ``python sim_edges.py URL N``
+(the NATS login from ``DSEC_NATS_LOGIN_FILE``, as real edges take it).
 
 Each edge is a full :class:`dsec_kernel.edge.Edge` with its own node name, heartbeats and
 NATS service; they share one NATS connection. Prints "ready" once all have started.
@@ -7,6 +8,7 @@ NATS service; they share one NATS connection. Prints "ready" once all have start
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import tempfile
@@ -24,7 +26,8 @@ async def main(url: str, count: int, prefix: str) -> None:
         import uvloop  # noqa: F401
     except ImportError:
         pass
-    nc = await bus.connect(url, name="sim-edges")
+    login = bus.Login.read(os.environ["DSEC_NATS_LOGIN_FILE"])
+    nc = await bus.connect(url, name="sim-edges", login=login)
     hooks = Hooks.load(guards=[])
     edges = []
     with tempfile.TemporaryDirectory(prefix="dsec-sim-") as tmp:

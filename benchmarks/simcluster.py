@@ -52,13 +52,18 @@ def simulated(edges: int, max_per_edge: int | None = None) -> Iterator[SimCluste
         tempfile.TemporaryDirectory(prefix="dsec-bench-") as tmp,
         NatsServer(Path(tmp) / "nats") as nats,
     ):
-        env = {**os.environ, "DSEC_NATS_URL": nats.service_url}
+        # the service login by file, never in an environment or on a command line
+        env = {
+            **os.environ,
+            "DSEC_NATS_URL": nats.client_url,
+            "DSEC_NATS_LOGIN_FILE": str(nats.login_file),
+        }
         api = _apiserver(Path(tmp), env, "apiserver")
         sim_env = dict(env)
         if max_per_edge is not None:
             sim_env["DSEC_BACKEND_CONFIG__NOOP__MAX_SANDBOXES"] = str(max_per_edge)
         sim = subprocess.Popen(
-            [sys.executable, str(HERE / "sim_edges.py"), nats.service_url, str(edges)],
+            [sys.executable, str(HERE / "sim_edges.py"), nats.client_url, str(edges)],
             stdout=subprocess.PIPE,
             text=True,
             env=sim_env,

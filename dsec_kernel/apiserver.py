@@ -30,7 +30,7 @@ from dsec_kernel.leases import Leases
 from dsec_kernel.placement import NodeView, PlacementPolicy, PlacementRequest
 from dsec_kernel.plugins import Hooks
 from dsec_kernel.pools import Pools
-from dsec_kernel.state import LIVE, NODES, SANDBOXES, TENANTS, ClusterState, Mirror, token_key
+from dsec_kernel.state import LIVE, NODES, SANDBOXES, TENANTS, ClusterState, Mirror
 from dsec_kernel.trajectory import Trajectory
 from dsec_kernel.wire import (
     MAX_BATCH,
@@ -190,6 +190,7 @@ class ApiServer:
             description="DSec apiserver: sandboxes, commands and files",
             queue_group="apiserver",
             endpoints={bus.api_subject(op): h for op, h in ops.items()},
+            accept=bus.replies_to_caller,  # never answer into someone else's inbox
         )
         self._tasks = [
             asyncio.create_task(self._loop(self.settings.node_timeout_s / 4, self.check_nodes)),
@@ -320,17 +321,23 @@ class ApiServer:
             await self.hooks.node_down(down, lost[down.node])
 
     async def _nodes(self, req: bus.Request) -> NodesResponse:
+        """The nodes, without the layers each has used (those name other tenants' layers;
+        placement reads them here, tenants do not)."""
         await self._auth(req)
-        return NodesResponse(nodes=[v.info for v in self.views.values()])
+        return NodesResponse(
+            nodes=[v.info.model_copy(update={"layers": []}) for v in self.views.values()]
+        )
 
     # -- helpers -----------------------------------------------------------------------------
 
     async def _auth(self, req: bus.Request) -> str:
+        """The tenant whose token the request carries (Unauthenticated if none). Its answer
+        can only go to that token's own inbox: others were dropped (bus.replies_to_caller)."""
         token = (req.headers or {}).get(bus.TOKEN_HEADER)
-        tenant = self.tenants.get(token_key(token)) if token else None
+        tenant = self.tenants.get(bus.token_key(token)) if token else None
         if tenant is None and token:  # a tenant created a moment ago, not yet mirrored
             with suppress(Exception):
-                entry = await self.state.tenants.get(token_key(token))  # type: ignore[union-attr]
+                entry = await self.state.tenants.get(bus.token_key(token))  # type: ignore[union-attr]
                 tenant = json.loads(entry.value)["tenant"]
         if tenant is None:
             raise errors.Unauthenticated(
@@ -779,8 +786,8 @@ class ApiServer:
         return handle
 
     async def _prestage(self, req: bus.Request) -> PrestageResponse:
-        await self._auth(req)
         r = PrestageRequest.model_validate_json(req.data)
+        r.tenant = await self._auth(req)  # the layers as that tenant sees them
         nodes = [
             v.name
             for v in self.views.values()
@@ -788,10 +795,11 @@ class ApiServer:
         ]
         if not nodes:
             raise errors.NotFound(f"no node is up in pool {r.pool!r}")
+        data = r.model_dump_json().encode()
 
         async def one(node: str) -> PrestageResponse:
             try:
-                raw = await self._edge(node, "prestage", req.data, self.settings.edge_timeout_s * 4)
+                raw = await self._edge(node, "prestage", data, self.settings.edge_timeout_s * 4)
                 return PrestageResponse.model_validate_json(raw)
             except errors.DsecError as exc:
                 return PrestageResponse(failed=[Failure(id=node, error=exc.to_wire())])

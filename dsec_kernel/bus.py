@@ -9,15 +9,27 @@ A reply is either the expected message, or an :class:`~dsec_kernel.wire.Error` b
 the NATS micro error headers (``Nats-Service-Error-Code``); :func:`request` raises the
 matching :class:`~dsec_kernel.errors.DsecError`. Callers authenticate with the
 ``Dsec-Token`` header.
+
+Logins: the services log in as the service user (:class:`Login`, from a file); each tenant
+credential (a token) is a NATS user of its own, named after the token's key, that may publish
+only to ``dsec.api.v1.>`` and subscribe only below its inbox prefix ``_I.<id>``
+(:meth:`Login.for_token`). A service that answers tenants passes
+``accept=replies_to_caller`` to :func:`serve`: a request is answered only on the inbox of
+the token it carries, so no tenant can aim a reply at another's inbox or at a service.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import nats
 import nats.errors
@@ -33,15 +45,23 @@ from dsec_kernel.wire import Error, Message
 __all__ = [
     "TOKEN_HEADER",
     "Handler",
+    "Login",
     "Request",
     "api_subject",
     "connect",
     "disconnect",
     "edge_subject",
+    "login_in_url",
+    "replies_to_caller",
     "request",
     "request_raw",
     "serve",
+    "server_urls",
+    "tenant_inbox",
+    "tenant_user",
+    "token_key",
     "validation_message",
+    "wait_accepted",
 ]
 
 log = logging.getLogger(__name__)
@@ -59,45 +79,200 @@ def edge_subject(node: str, op: str) -> str:
     return f"dsec.edge.{node}.v1.{op}"
 
 
+def token_key(token: str) -> str:
+    """The KV key under which a tenant credential is stored (never the token itself)."""
+    return hashlib.sha256(token.encode()).hexdigest()[:48]
+
+
+def tenant_user(key: str) -> str:
+    """The NATS user of the credential stored under ``key``."""
+    return f"tenant-{key[:32]}"
+
+
+def tenant_inbox(key: str) -> str:
+    """The inbox prefix of that user: it may subscribe to nothing else."""
+    return f"_I.{key[:32]}"
+
+
+@dataclass(frozen=True)
+class Login:
+    """A NATS user and password, and the inbox prefix its replies come to (None: ``_INBOX``)."""
+
+    user: str
+    password: str = field(repr=False)
+    inbox_prefix: str | None = None
+
+    @classmethod
+    def for_token(cls, token: str) -> Login:
+        """The NATS login of a tenant credential: its password is the token itself."""
+        key = token_key(token)
+        return cls(tenant_user(key), token, tenant_inbox(key))
+
+    @classmethod
+    def read(cls, path: str | Path) -> Login:
+        """The login in a JSON file ``{"user": ..., "password": ...}``."""
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(str(data["user"]), str(data["password"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise errors.InvalidArgument(f"cannot read the NATS login file {path}: {exc}") from None
+
+
+def server_urls(url: str) -> list[str]:
+    """The servers of ``url`` (one, or several separated by commas), without credentials."""
+    parts = [urlsplit(u.strip()) for u in url.split(",") if u.strip()]
+    return [p._replace(netloc=p.netloc.rpartition("@")[2]).geturl() for p in parts]
+
+
+def login_in_url(url: str) -> Login | None:
+    """The user and password in ``url`` (its first server's), if it has them."""
+    first = urlsplit(url.split(",")[0].strip())
+    if not first.username:
+        return None
+    return Login(unquote(first.username), unquote(first.password or ""))
+
+
+def _describe(exc: BaseException | None) -> str:
+    return "no answer" if exc is None else str(exc) or type(exc).__name__
+
+
+def _refused(exc: BaseException) -> bool:
+    return isinstance(exc, nats.errors.Error) and "authorization violation" in str(exc).lower()
+
+
+async def _abandon(nc: NATS, connecting: asyncio.Future[None]) -> None:
+    """Stop a connect that has not succeeded and release its socket."""
+    connecting.cancel()
+    await asyncio.wait({connecting})
+    try:
+        await nc.close()
+    except Exception:  # a half-made connection; nothing left to release but the socket
+        pass
+
+
 async def connect(
     url: str,
     *,
     name: str,
+    login: Login | None = None,
     credentials: str | None = None,
     disconnected_cb: Callable[[], Awaitable[None]] | None = None,
     reconnected_cb: Callable[[], Awaitable[None]] | None = None,
+    timeout: float = 10.0,
 ) -> NATS:
-    """Connect to NATS (``url``: one server, or several separated by commas), reconnecting
-    for ever; Unavailable if the first connect fails.
+    """Connect to NATS (``url``: one server, or several separated by commas); once connected
+    it reconnects for ever, unless NATS refuses the login (it was removed): then the
+    connection is closed.
 
-    ``credentials`` is a NATS ``.creds`` file for clusters that require one.
+    ``login`` is the user, password and inbox prefix (without it: the URL's user and password,
+    if any); ``credentials`` a NATS ``.creds`` file for clusters that require one. Raises
+    Unauthenticated at once if NATS refuses the login, Unavailable if no server accepts the
+    connection within ``timeout`` seconds.
     """
-    servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: any of them
+    servers = server_urls(url)
     # credentials as options, not in the URLs: the servers a cluster advertises (and a client
     # may reconnect to) carry none, and must get the same ones
-    parts = [urlsplit(u) for u in servers]
-    auth = {"user": parts[0].username, "password": parts[0].password} if parts[0].username else {}
-    servers = [p._replace(netloc=p.netloc.rpartition("@")[2]).geturl() for p in parts]
-    try:
-        return await nats.connect(
+    login = login or login_in_url(url)
+    auth: dict[str, str] = {}
+    if login is not None:
+        auth = {"user": login.user, "password": login.password}
+        if login.inbox_prefix:
+            auth["inbox_prefix"] = login.inbox_prefix
+    up = False
+    closing: list[asyncio.Future[None]] = []
+    last: BaseException | None = None
+    refused = asyncio.Event()
+
+    async def on_error(exc: BaseException) -> None:
+        nonlocal last
+        if up and _refused(exc):  # the login was removed: reconnecting cannot succeed
+            log.warning("NATS refused the login of %s now; closing its connection", name)
+            closing.append(asyncio.ensure_future(nc.close()))  # not from its reconnect task
+        elif up:
+            log.warning("NATS connection %s: %s", name, _describe(exc))
+        else:
+            last = exc
+            if _refused(exc):
+                refused.set()
+
+    nc = NATS()
+    connecting = asyncio.ensure_future(
+        nc.connect(
             servers,
-            **auth,
+            **auth,  # type: ignore[arg-type]
             name=name,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
-            connect_timeout=5,
+            connect_timeout=min(5.0, timeout),
             allow_reconnect=True,
             user_credentials=credentials,
+            error_cb=on_error,
             disconnected_cb=disconnected_cb,
             reconnected_cb=reconnected_cb,
             pending_size=64 << 20,
         )
-    except (TimeoutError, OSError, nats.errors.Error) as exc:
-        where = ", ".join(servers)
-        raise errors.Unavailable(
-            f"cannot reach NATS at {where}: {exc or type(exc).__name__}; "
-            "is `dsec up` running, or is --nats-url / DSEC_URL right?"
-        ) from None
+    )
+    watch = asyncio.ensure_future(refused.wait())
+    try:
+        await asyncio.wait(
+            {connecting, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+    except asyncio.CancelledError:
+        await _abandon(nc, connecting)
+        raise
+    finally:
+        watch.cancel()
+    if connecting.done() and not connecting.cancelled() and connecting.exception() is None:
+        up = True
+        return nc
+    await _abandon(nc, connecting)
+    if last is None and not connecting.cancelled():
+        last = connecting.exception()
+    where = ", ".join(servers)
+    if refused.is_set():
+        raise errors.Unauthenticated(
+            f"NATS at {where} refused the login {login.user if login else '(none)'}: "
+            "an unknown or removed credential (check DSEC_TOKEN, or --nats-login-file)"
+        )
+    raise errors.Unavailable(
+        f"cannot reach NATS at {where} within {timeout:g}s: {_describe(last)}; "
+        "is `dsec up` running, or is --nats-url / DSEC_URL right?"
+    )
+
+
+async def wait_accepted(url: str, login: Login, timeout: float) -> None:
+    """Return once every server of ``url`` accepts ``login`` (a login just made becomes live
+    when the servers reload their configuration); Unauthenticated if one still refuses it
+    after ``timeout`` seconds, Unavailable if one cannot be reached."""
+    deadline = time.monotonic() + timeout
+
+    async def quiet(exc: BaseException) -> None:
+        pass
+
+    for server in server_urls(url):
+        while True:
+            nc = NATS()
+            try:
+                await nc.connect(
+                    server,
+                    user=login.user,
+                    password=login.password,
+                    name="dsec-login-check",
+                    allow_reconnect=False,
+                    connect_timeout=2,
+                    error_cb=quiet,
+                )
+                break
+            except (TimeoutError, OSError, nats.errors.Error) as exc:
+                if time.monotonic() > deadline:
+                    kind = errors.Unauthenticated if _refused(exc) else errors.Unavailable
+                    raise kind(
+                        f"NATS at {server} does not accept the login {login.user} after "
+                        f"{timeout:g}s: {_describe(exc)}"
+                    ) from None
+                await asyncio.sleep(0.02)
+            finally:  # a refused connection too: nats-py leaves its socket open
+                await nc.close()
 
 
 def validation_message(exc: ValidationError) -> str:
@@ -170,13 +345,39 @@ async def _respond_error(req: Request, err: errors.DsecError) -> None:
     await req.respond_error(err.code, err.message[:200].replace("\n", " "), data=body)
 
 
+def replies_to_caller(req: Request) -> bool:
+    """Whether ``req``'s reply subject lies in the inbox of the credential it carries (what a
+    tenant's own login subscribes to). A tenant may put any reply subject on a request: a
+    service that answered this one anyway would publish, with its own rights, into another
+    tenant's inbox or onto a service subject."""
+    token = (req.headers or {}).get(TOKEN_HEADER)
+    reply = req._msg.reply  # nats.micro's Request does not expose it
+    return bool(token) and reply.startswith(tenant_inbox(token_key(token)) + ".")
+
+
 class _Endpoints:
     """Runs each request's handler in its own task (nats-py delivers one message at a time
-    per subscription) and answers it, turning exceptions into error replies."""
+    per subscription) and answers it, turning exceptions into error replies. A request that
+    ``accept`` refuses is dropped unanswered before any work (logged at debug level, at most
+    a line a second)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, accept: Callable[[Request], bool] | None) -> None:
         self.tasks: set[asyncio.Task[None]] = set()
         self.slots = asyncio.Semaphore(limit)
+        self.accept = accept
+        self.dropped = 0
+        self._logged_at = 0.0
+
+    def _drop(self, req: Request) -> None:
+        self.dropped += 1
+        now = time.monotonic()
+        if now - self._logged_at >= 1.0:
+            self._logged_at = now
+            log.debug(
+                "dropped %d request(s) so far with a reply subject outside the caller's inbox "
+                "(the last on %s, replying to %.80s)",
+                self.dropped, req.subject, req._msg.reply,
+            )  # fmt: skip
 
     def wrap(self, handler: Handler) -> Callable[[Request], Awaitable[None]]:
         async def run(req: Request) -> None:
@@ -201,6 +402,9 @@ class _Endpoints:
                 self.slots.release()
 
         async def spawn(req: Request) -> None:
+            if self.accept is not None and not self.accept(req):
+                self._drop(req)
+                return
             await self.slots.acquire()
             task = asyncio.create_task(run(req))
             self.tasks.add(task)
@@ -218,17 +422,20 @@ async def serve(
     queue_group: str,
     endpoints: dict[str, Handler],
     concurrency: int = 20_000,
+    accept: Callable[[Request], bool] | None = None,
 ) -> tuple[Service, Callable[[], Awaitable[None]]]:
     """Start a NATS micro service with one endpoint per ``{subject: handler}``.
 
-    Handlers return a reply message (or raw bytes) or raise a DsecError. Returns the service
-    and a ``drain`` coroutine function that stops taking requests and waits for those in flight.
+    Handlers return a reply message (or raw bytes) or raise a DsecError. A request for which
+    ``accept`` (e.g. :func:`replies_to_caller`) is false gets no reply and runs nothing.
+    Returns the service and a ``drain`` coroutine function that stops taking requests and
+    waits for those in flight.
     """
     svc = await add_service(
         nc,
         ServiceConfig(name=name, version=version, description=description),
     )
-    runner = _Endpoints(concurrency)
+    runner = _Endpoints(concurrency, accept)
     for subject, handler in endpoints.items():
         await svc.add_endpoint(
             EndpointConfig(

@@ -10,7 +10,6 @@ plugins can use it to test against a real platform.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from dsec_kernel.natsserver import NatsServer
 from dsec_kernel.nodenet import NodeNetwork
 from dsec_kernel.procs import die_with_parent, stop_process
 from dsec_kernel.sdk import AsyncClient
-from dsec_kernel.state import ClusterState, token_key
+from dsec_kernel.state import ClusterState
 from dsec_kernel.wire import NodeInfo, NodesRequest, NodesResponse
 
 __all__ = ["Child", "LocalCluster", "ensure_tenant", "wait_ready"]
@@ -73,23 +72,32 @@ class Child:
 
 
 async def ensure_tenant(
-    admin_url: str, name: str, reuse_token: str | None = None, client_url: str | None = None
+    admin_url: str,
+    name: str,
+    reuse_token: str | None = None,
+    client_url: str | None = None,
+    *,
+    replicas: int = 1,
+    wait_s: float = 10.0,
 ) -> Connection:
-    """A credential for tenant ``name`` (``reuse_token`` if the cluster still knows it),
-    made through ``admin_url``, for clients connecting to ``client_url``."""
-    url = client_url or admin_url
+    """A credential for tenant ``name`` (``reuse_token`` if the cluster still knows it), made
+    through ``admin_url`` (with the service login), for clients connecting to ``client_url``
+    (default: ``admin_url`` without its credentials). Missing buckets are made with
+    ``replicas`` copies. Returns once every NATS server accepts the credential's login;
+    Unauthenticated if that takes longer than ``wait_s`` (nothing loads logins into them)."""
+    url = client_url or ",".join(bus.server_urls(admin_url))
     nc = await bus.connect(admin_url, name="dsec-admin")
     try:
-        state = await ClusterState.open(nc)
-        if reuse_token:
-            try:
-                entry = await state.tenants.get(token_key(reuse_token))
-                return Connection(url, reuse_token, json.loads(entry.value)["tenant"])
-            except Exception:
-                pass
-        return Connection(url, await state.create_tenant(name), name)
+        state = await ClusterState.open(nc, replicas=replicas)
+        tenant = await state.adopt_tenant(reuse_token) if reuse_token else None
+        if reuse_token and tenant is not None:
+            token = reuse_token
+        else:
+            token, tenant = await state.create_tenant(name), name
     finally:
         await nc.drain()
+    await bus.wait_accepted(url, bus.Login.for_token(token), wait_s)
+    return Connection(url, token, tenant)
 
 
 async def wait_ready(
@@ -106,7 +114,7 @@ async def wait_ready(
     """
     want = set(nodes)
     children = list(children)
-    nc = await bus.connect(conn.url, name="dsec-wait")
+    nc = await bus.connect(conn.url, name="dsec-wait", login=bus.Login.for_token(conn.token))
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -143,7 +151,10 @@ class LocalCluster:
     ``env`` adds ``DSEC_*`` settings for every service (e.g. fncall pool size).
     ``nats_servers`` > 1 makes a NATS cluster with KV and streams replicated on up to three
     of them. ``netns`` puts each edge in a network namespace of its own, reaching NATS over a
-    bridge (the servers listen on the bridge's address).
+    bridge (the servers listen on the bridge's address). The services get the NATS address
+    and the path of the service login file, never the password (a process they start, a
+    sandbox's init included, inherits nothing secret); tenant logins follow the tenants
+    bucket (:class:`~dsec_kernel.natsserver.LoginSync`).
     """
 
     def __init__(
@@ -167,13 +178,19 @@ class LocalCluster:
             self.nats = NatsServer(self.state_dir / "nats", host=host)
         self.apiservers: list[Child] = []
         self.edges: dict[str, Child] = {}
+        self._egress: dict[str, dict[str, str]] = {}  # node -> its egress settings
         self.started: dict[str, float] = {}
         self.conn: Connection | None = None
 
     @property
     def url(self) -> str:
-        """The service URL (apiservers, edges, operator commands)."""
+        """The service URL, with its password: for operator work inside this process only."""
         return self.nats.service_url
+
+    @property
+    def kv_replicas(self) -> int:
+        """Copies of each KV bucket (``DSEC_KV_REPLICAS`` of the services)."""
+        return int(self.env.get("DSEC_KV_REPLICAS", "1"))
 
     def client(self, **kw: object) -> AsyncClient:
         """An SDK client of the default tenant (after :meth:`ready`); ``kw`` as AsyncClient's."""
@@ -186,7 +203,8 @@ class LocalCluster:
         if self.network is not None and not self.network.started:
             self.network.start()
         self.nats.start()
-        self.env["DSEC_NATS_URL"] = self.nats.service_url
+        self.env["DSEC_NATS_URL"] = self.nats.client_url
+        self.env["DSEC_NATS_LOGIN_FILE"] = str(self.nats.login_file)
 
     def start_apiserver(self, *args: str) -> Child:
         i = len(self.apiservers)
@@ -205,19 +223,37 @@ class LocalCluster:
             argv += ["--backends", ",".join(backends)]
         if self.network is not None:
             argv = self.network.wrap(node, argv)
-        child = Child(f"edge {node}", [*argv, *args], self.logs / f"edge-{node}.log", self.env)
+        env = self.env | self._egress.setdefault(node, self._egress_env())
+        child = Child(f"edge {node}", [*argv, *args], self.logs / f"edge-{node}.log", env)
         self.edges[node] = child
         self.started[node] = time.time()
         return child
 
+    def _egress_env(self) -> dict[str, str]:
+        """Edges sharing the host's network (no ``netns``) each get their own egress
+        addresses and rules (from the second on; the first keeps the defaults); the
+        caller's settings win."""
+        i = len(self._egress)
+        if self.network is not None or i == 0:
+            return {}
+        own = {"SUBNET": f"10.{213 + i // 16}.{i % 16 * 16}.0/20", "NAME": f"dsec{i}"}
+        env = {f"DSEC_BACKEND_CONFIG__CONTAINER__EGRESS_{k}": v for k, v in own.items()}
+        return {k: v for k, v in env.items() if k not in self.env}
+
     def tenant(self, name: str = "default") -> Connection:
         """A new credential for tenant ``name``."""
-        return asyncio.run(ensure_tenant(self.url, name, client_url=self.nats.client_url))
+        return asyncio.run(
+            ensure_tenant(
+                self.url, name, client_url=self.nats.client_url, replicas=self.kv_replicas
+            )
+        )
 
     async def ready(self, timeout: float = 60.0) -> list[NodeInfo]:
         """Wait until every started edge is up (a default tenant is created on first use)."""
         if self.conn is None:
-            self.conn = await ensure_tenant(self.url, "default", client_url=self.nats.client_url)
+            self.conn = await ensure_tenant(
+                self.url, "default", client_url=self.nats.client_url, replicas=self.kv_replicas
+            )
         children = [*self.apiservers, *(c for c in self.edges.values() if c.alive())]
         nodes = [n for n, c in self.edges.items() if c.alive()]
         since = min((self.started[n] for n in nodes), default=0.0)

@@ -43,6 +43,11 @@ class _Common(BaseSettings):
     )
 
     nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server(s), comma separated")
+    nats_login_file: Path | None = Field(
+        None,
+        description='the NATS login, a JSON file {"user": ..., "password": ...} (keep it 0600): '
+        "processes this one starts inherit its path, not the password",
+    )
     nats_credentials: str | None = Field(None, description="NATS .creds file, if required")
     heartbeat_s: float = Field(1.0, gt=0, le=60, description="edge heartbeat interval")
     kv_replicas: int = Field(1, ge=1, le=5, description="copies of each KV bucket")

@@ -1,6 +1,11 @@
 """Where the SDK and CLI find the cluster: explicit arguments, ``DSEC_URL`` / ``DSEC_TOKEN``,
 or the connection file that ``dsec up`` writes (``$DSEC_STATE_DIR/connection.json``,
-default ``~/.dsec/connection.json``)."""
+default ``~/.dsec/connection.json``); and where operator commands find the service login
+(``service.json`` beside it).
+
+The URL carries no credential: the SDK logs in to NATS with the token (see
+:meth:`dsec_kernel.bus.Login.for_token`).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,16 @@ from pathlib import Path
 from dsec_kernel import errors
 from dsec_kernel.config import default_state_dir
 
-__all__ = ["Connection", "connection_file", "resolve", "write_connection"]
+__all__ = [
+    "Connection",
+    "connection_file",
+    "read_service",
+    "resolve",
+    "service_file",
+    "write_connection",
+    "write_private",
+    "write_service",
+]
 
 
 @dataclass(frozen=True)
@@ -26,14 +40,41 @@ def connection_file(state_dir: Path | None = None) -> Path:
     return (state_dir or default_state_dir()) / "connection.json"
 
 
-def write_connection(path: Path, conn: Connection) -> None:
-    """Write the file readable by its owner only (it holds a credential)."""
+def service_file(state_dir: Path | None = None) -> Path:
+    """Where ``dsec up`` tells operator commands the NATS URL and the service login's file."""
+    return (state_dir or default_state_dir()) / "service.json"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace ``path`` atomically with ``text``, readable by its owner only."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(asdict(conn), f)
+        f.write(text)
     tmp.replace(path)
+
+
+def write_connection(path: Path, conn: Connection) -> None:
+    """Write the file readable by its owner only (it holds a credential)."""
+    write_private(path, json.dumps(asdict(conn)))
+
+
+def write_service(path: Path, url: str, login_file: Path) -> None:
+    """Write the service file: ``url`` (no credential) and the path of the login file."""
+    write_private(path, json.dumps({"url": url, "login_file": str(login_file)}))
+
+
+def read_service(path: Path) -> tuple[str, Path]:
+    """The NATS URL and the service login file that ``dsec up`` wrote to ``path``."""
+    try:
+        data = json.loads(path.read_text())
+        return data["url"], Path(data["login_file"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise errors.InvalidArgument(
+            f"pass --nats-url and --nats-login-file (the service login): {path}, which "
+            "`dsec up` writes, is not readable"
+        ) from None
 
 
 def resolve(url: str | None = None, token: str | None = None) -> Connection:

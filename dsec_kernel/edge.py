@@ -100,9 +100,15 @@ def load_backends(settings: EdgeSettings) -> tuple[dict[str, Backend], dict[str,
                 f"backend {name!r} configuration is invalid: {bus.validation_message(exc)}"
             ) from None
         backends[name] = cls(config)
-    unknown = set(settings.backend_config) - set(classes)
+    installed = {p.name for p in discover("dsec.backends")}
+    unknown = set(settings.backend_config) - installed
     if unknown:
-        raise PluginLoadError(f"configuration given for unknown backend(s): {sorted(unknown)}")
+        raise PluginLoadError(
+            f"configuration given for backend(s) no installed plugin has: {sorted(unknown)}; "
+            "`dsec plugins` lists them"
+        )
+    for name in sorted(set(settings.backend_config) & installed - set(classes)):
+        log.info("configuration for backend %s is unused: it does not run here", name)
     return backends, skipped
 
 

@@ -1,20 +1,20 @@
 """A NATS cluster of several embedded ``nats-server`` processes (JetStream replicated).
 
-Every server has the same two users (see :class:`~dsec_kernel.natsserver.NatsServer`) and
-routes to the others; URLs list every server (``nats://...,nats://...``) so clients fail
-over when one goes.
+Every server has the same logins (see :mod:`dsec_kernel.natsserver`): one service login file
+for all, and the tenant logins that one :class:`~dsec_kernel.natsserver.LoginSync` keeps
+equal to the tenants bucket on every server. Each routes to the others; URLs list every
+server (``nats://...,nats://...``) so clients fail over when one goes.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import time
 from pathlib import Path
 
-from dsec_kernel import errors
-from dsec_kernel.natsserver import NatsServer
+from dsec_kernel import bus, errors
+from dsec_kernel.natsserver import LoginSync, NatsServer
 
 __all__ = ["NatsCluster", "free_port"]
 
@@ -44,29 +44,33 @@ class NatsCluster:
             )
             server = NatsServer(
                 self.root / f"nats-{i}", port=free_port(), host=host, name=f"dsec-{i}",
-                config=block,
+                config=block, login_file=self.login_file, follow_tenants=False,
             )  # fmt: skip
             self.servers.append(server)
+        self._sync: LoginSync | None = None
 
-    def _urls(self, which: str) -> str:
-        return ",".join(getattr(s, which) for s in self.servers)
+    @property
+    def login_file(self) -> Path:
+        """The service login every server shares (see :attr:`NatsServer.login_file`)."""
+        return self.root / "service-login.json"
+
+    @property
+    def login(self) -> bus.Login:
+        """The service login (after :meth:`start`)."""
+        return self.servers[0].login
 
     @property
     def service_url(self) -> str:
-        return self._urls("service_url")
+        """Every server, with the service login: for use inside this process only."""
+        return ",".join(s.service_url for s in self.servers)
 
     @property
     def client_url(self) -> str:
-        return self._urls("client_url")
+        """Every server, without a credential."""
+        return ",".join(s.client_url for s in self.servers)
 
     def start(self, timeout: float = 30.0) -> NatsCluster:
-        """Start every server with the first one's credentials; returns once all listen."""
-        first = self.servers[0]
-        first.store_dir.mkdir(parents=True, exist_ok=True)
-        first._load_passwords()
-        for s in self.servers[1:]:
-            s.store_dir.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(first.store_dir / "auth.json", s.store_dir / "auth.json")
+        """Start every server, then the login sync; returns once all listen."""
         deadline = time.monotonic() + timeout
         try:
             for s in self.servers:
@@ -74,8 +78,12 @@ class NatsCluster:
         except BaseException:
             self.stop()
             raise
+        self._sync = LoginSync(self.servers).start()
         return self
 
     def stop(self) -> None:
+        if self._sync is not None:
+            self._sync.stop()
+            self._sync = None
         for s in self.servers:
             s.stop()

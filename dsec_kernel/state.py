@@ -4,7 +4,8 @@ Buckets (history 1, file storage, ``replicas`` copies)::
 
     dsec-nodes       <node>            NodeInfo   rewritten by the node's edge every heartbeat
     dsec-sandboxes   <sandbox id>      SandboxInfo
-    dsec-tenants     <sha256(token)>   {"tenant": name, "created_at": t}
+    dsec-tenants     <token_key(token)> {"tenant": name, "created_at": t,
+                                         "nats_password": bcrypt(token)}
     dsec-jobs        <tenant>.<job>    JobInfo    a trainer's lease
     dsec-pools       <tenant>.<pool>   PoolInfo   a warm pool's spec and size
     dsec-quotas      <tenant>          Quota      a tenant's limits
@@ -16,7 +17,6 @@ on the entry's revision. :class:`Mirror` keeps an in-memory copy of a bucket fro
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import re
@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+import bcrypt
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
@@ -33,10 +34,22 @@ from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
 from dsec_kernel import errors
+from dsec_kernel.bus import token_key
 from dsec_kernel.trajectory import ensure_stream
 from dsec_kernel.wire import NAME_PATTERN, JobInfo, NodeInfo, SandboxInfo
 
-__all__ = ["BUCKETS", "JOBS", "LIVE", "POOLS", "QUOTAS", "ClusterState", "Mirror", "token_key"]
+__all__ = [
+    "BUCKETS",
+    "JOBS",
+    "LIVE",
+    "POOLS",
+    "QUOTAS",
+    "TENANTS",
+    "ClusterState",
+    "Mirror",
+    "nats_password",
+    "password_hash",
+]
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +59,22 @@ BUCKETS = (NODES, SANDBOXES, TENANTS, JOBS, POOLS, QUOTAS)
 #: states of a sandbox that exists on its node
 LIVE = ("ready", "paused")
 T = TypeVar("T")
+#: bcrypt's work factor for NATS passwords. The lowest: a token holds 256 random bits, so
+#: slowness adds nothing against guessing, and nats-server checks the hash on every connect
+#: (~1 ms at 4, ~80 ms at 10: a flood of logins would cost the server that much each).
+BCRYPT_COST = 4
 
 
-def token_key(token: str) -> str:
-    """The KV key under which a tenant credential is stored (never the token itself)."""
-    return hashlib.sha256(token.encode()).hexdigest()[:48]
+def password_hash(password: str) -> str:
+    """The bcrypt hash nats-server checks ``password`` against."""
+    return bcrypt.hashpw(password.encode(), bcrypt.gensalt(BCRYPT_COST)).decode()
+
+
+def nats_password(record: bytes) -> str | None:
+    """The NATS password hash in a tenants record (None: a credential made before tenants
+    had NATS logins of their own; it has no login until its token is adopted again)."""
+    value = json.loads(record).get("nats_password")
+    return value if isinstance(value, str) else None
 
 
 class Mirror(Generic[T]):
@@ -202,15 +226,49 @@ class ClusterState:
     # -- tenants -----------------------------------------------------------------------------
 
     async def create_tenant(self, name: str) -> str:
-        """Create a credential for tenant ``name`` (the tenant exists once it has one)."""
+        """Create a credential for tenant ``name`` (the tenant exists once it has one); its
+        record keeps the bcrypt hash of its NATS login's password, never the token."""
         if not re.match(NAME_PATTERN, name):
             raise errors.InvalidArgument(
                 f"tenant name {name!r} must be letters, digits, '-' or '_' (at most 63)"
             )
         token = "dsec_" + secrets.token_urlsafe(32)
-        record = json.dumps({"tenant": name, "created_at": time.time()}).encode()
-        await self.tenants.create(token_key(token), record)
+        record = {"tenant": name, "created_at": time.time(), "nats_password": password_hash(token)}
+        await self.tenants.create(token_key(token), json.dumps(record).encode())
         return token
+
+    async def adopt_tenant(self, token: str) -> str | None:
+        """The tenant of ``token`` if the bucket knows it (None if not), giving a credential
+        made before tenants had NATS logins of their own its login."""
+        try:
+            entry = await self.tenants.get(token_key(token))
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        assert entry.value is not None
+        record = json.loads(entry.value)
+        if "nats_password" not in record:
+            record["nats_password"] = password_hash(token)
+            await self.tenants.update(token_key(token), json.dumps(record).encode(), entry.revision)
+        return record["tenant"]
+
+    async def tenant_logins(self) -> dict[str, str]:
+        """``{token key: bcrypt hash}`` of every credential that has a NATS login."""
+        mirror: Mirror[str] = Mirror(self.js, TENANTS, nats_password)
+        await mirror.start()
+        await mirror.stop()
+        return {key: hashed for key, (hashed, _) in mirror.items.items()}
+
+    async def remove_tenant(self, name: str) -> int:
+        """Delete every credential of tenant ``name``; returns how many (NotFound if none)."""
+        mirror: Mirror[str] = Mirror(self.js, TENANTS, lambda b: json.loads(b)["tenant"])
+        await mirror.start()
+        await mirror.stop()
+        keys = [key for key, (tenant, _) in mirror.items.items() if tenant == name]
+        if not keys:
+            raise errors.NotFound(f"no tenant {name!r} (`dsec tenant create {name}` makes one)")
+        for key in keys:
+            await self.tenants.delete(key)
+        return len(keys)
 
     # -- jobs --------------------------------------------------------------------------------
 

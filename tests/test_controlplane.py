@@ -18,6 +18,7 @@ import dsec_kernel as dsec
 from dsec_kernel import bus, errors
 from dsec_kernel.apiserver import ApiServer
 from dsec_kernel.backend import Backend, Capabilities, SandboxRef, SandboxStatus
+from dsec_kernel.cluster import ensure_tenant
 from dsec_kernel.config import ApiSettings, EdgeSettings
 from dsec_kernel.edge import Edge, load_backends
 from dsec_kernel.natsserver import NatsServer
@@ -83,9 +84,8 @@ class Platform:
         await self.edges.pop(node).stop()
 
     async def tenant(self, name: str) -> dsec.AsyncClient:
-        state = await ClusterState.open(await self._nc("admin"))
-        token = await state.create_tenant(name)
-        return await dsec.AsyncClient(url=self.client_url, token=token).connect()
+        conn = await ensure_tenant(self.url, name, client_url=self.client_url)
+        return await dsec.AsyncClient(url=conn.url, token=conn.token).connect()
 
     async def close(self) -> None:
         for edge in self.edges.values():
@@ -164,12 +164,10 @@ async def test_tenants_see_and_touch_only_their_own(platform):
         await bob.exec_many(sbs, "true")
     assert len(await alice.list(labels={"job": "a"})) == 2
     assert await alice.list(labels={"job": "b"}) == []
-    for token in ("dsec_wrong", ""):
-        async with dsec.AsyncClient(url=platform.client_url, token=token or "x") as stranger:
-            if not token:
-                stranger._headers = {}
-            with pytest.raises(errors.Unauthenticated):
-                await stranger.list()
+    with pytest.raises(errors.Unauthenticated):  # NATS has no login for an unknown token
+        await dsec.AsyncClient(url=platform.client_url, token="dsec_wrong").connect()
+    with pytest.raises(errors.DeadlineExceeded):  # no token: no inbox the answer may go to
+        await bus.request_raw(alice._nc, bus.api_subject("list"), b"{}", timeout=1)
     await alice.destroy(sbs)
     await alice.close()
     await bob.close()
@@ -354,7 +352,7 @@ async def test_edge_reconciles_with_cluster_state(platform):
 
 
 async def test_clients_reach_only_the_apiservers(platform):
-    """The client NATS user cannot call edges, read or forge KV records (tenants included)."""
+    """A tenant's NATS login cannot call edges, read or forge KV records (tenants included)."""
     import nats
     import nats.errors
 
@@ -366,7 +364,14 @@ async def test_clients_reach_only_the_apiservers(platform):
     async def on_error(exc):
         errors_seen.append(str(exc))
 
-    nc = await nats.connect(platform.client_url, error_cb=on_error)
+    login = bus.Login.for_token(c._headers[bus.TOKEN_HEADER])
+    nc = await nats.connect(
+        platform.client_url,
+        user=login.user,
+        password=login.password,
+        inbox_prefix=login.inbox_prefix,
+        error_cb=on_error,
+    )
     with pytest.raises((errors.DeadlineExceeded, errors.Unavailable)):
         await bus.request_raw(
             nc, bus.edge_subject("e1", "destroy"), json.dumps({"ids": [sb.id]}).encode(), timeout=1

@@ -63,8 +63,11 @@ def test_edge_backend_selection(fake_dist):
                 node="n", backends=["noop"], backend_config={"noop": {"max_sandboxes": "lots"}}
             )
         )
-    with pytest.raises(PluginLoadError, match="unknown backend"):
+    with pytest.raises(PluginLoadError, match="no installed plugin has"):
         load_backends(EdgeSettings(node="n", backends=["noop"], backend_config={"nope": {}}))
+    # settings for an installed backend this edge does not run are fine (a log line at most)
+    only_noop = EdgeSettings(node="n", backends=["noop"], backend_config={"fncall": {}})
+    assert list(load_backends(only_noop)[0]) == ["noop"]
     backends, _ = load_backends(
         EdgeSettings(node="n", backends=["noop"], backend_config={"noop": {"max_sandboxes": 7}})
     )

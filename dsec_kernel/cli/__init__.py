@@ -46,13 +46,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--backends", type=_csv, help="backends to run (default: all that can)")
     s.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...: run CMD, then stop")
 
+    login_help = 'the NATS login, a JSON file {"user": ..., "password": ...}'
     s = sub.add_parser("apiserver", help="run an apiserver against an existing NATS")
     s.add_argument("--nats-url")
+    s.add_argument("--nats-login-file", type=Path, help=login_help)
     s.add_argument("--placement", help="placement policy (default least-loaded)")
     s.add_argument("--node-timeout", type=float, dest="node_timeout_s")
 
     s = sub.add_parser("edge", help="run this node's edge against an existing NATS")
     s.add_argument("--nats-url")
+    s.add_argument("--nats-login-file", type=Path, help=login_help)
     s.add_argument("--node")
     s.add_argument("--pool")
     s.add_argument("--state-dir", type=Path)
@@ -65,10 +68,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--out", type=Path, help="directory (default: print one JSON document)")
 
     s = sub.add_parser("tenant", help="manage tenants (operator; talks to NATS directly)")
-    s.add_argument("action", choices=["create", "quota"], help="create: print a new credential; "
-                   "quota: set limits (omitted ones: none)")  # fmt: skip
-    s.add_argument("name")
-    s.add_argument("--nats-url", default=None, help="service URL (default: from `dsec up`)")
+    s.add_argument("action", choices=["create", "remove", "quota", "logins"],
+                   help="create: print a new credential once its NATS login is live; remove: "
+                   "delete every credential of the tenant; quota: set limits (omitted ones: "
+                   "none); logins: print the NATS authorization block for your own NATS's "
+                   "config")  # fmt: skip
+    s.add_argument("name", nargs="?")
+    s.add_argument("--nats-url", default=None, help="NATS URL (default: from `dsec up`)")
+    s.add_argument("--nats-login-file", type=Path, help=f"{login_help} (default: from `dsec up`)")
+    s.add_argument("--wait", type=float, default=10.0,
+                   help="create: longest wait for NATS to take its login (0: none)")  # fmt: skip
     s.add_argument("--sandboxes", type=int, help="quota: most sandboxes at once")
     s.add_argument("--cpus", type=float, help="quota: most CPUs (sum of the sandboxes' limits)")
     s.add_argument("--memory-mb", type=int, help="quota: most memory (sum of their limits)")
@@ -79,10 +88,12 @@ def _parser() -> argparse.ArgumentParser:
     li.add_argument("--kind", required=True, choices=["base", "workspace", "toolkit"])
     li.add_argument("--name", required=True)
     li.add_argument("--version", required=True)
+    li.add_argument("--tenant", help="the tenant it belongs to (default: public, for every tenant)")
     li.add_argument("source")
-    lsub.add_parser("ls", help="list layers")
+    lsub.add_parser("ls", help="list layers (every owner's)")
     lr = lsub.add_parser("rm", help="remove a layer (refused while in use)")
     lr.add_argument("ref", help="name:version")
+    lr.add_argument("--tenant", help="remove that tenant's layer (default: the public one)")
     lr.add_argument("--force", action="store_true", help="even if held (by nodes that are gone)")
     lsub.add_parser("gc", help="delete images no layer names and nothing holds")
 
@@ -165,24 +176,30 @@ def _cmd_schema(out: Path | None) -> int:
     return 0
 
 
+def _service_login(args: argparse.Namespace) -> tuple[str, Any]:
+    """The NATS URL and service login of an operator command: its flags, else the service
+    file that `dsec up` wrote (a login given in the URL itself is used as it is)."""
+    from dsec_kernel import bus
+    from dsec_kernel.connection import read_service, service_file
+
+    url, login_file = args.nats_url, args.nats_login_file
+    if url is None:
+        url, default_login = read_service(service_file())
+        login_file = login_file or default_login
+    return url, bus.Login.read(login_file) if login_file else bus.login_in_url(url)
+
+
 async def _cmd_tenant(args: argparse.Namespace) -> int:
     from dsec_kernel import bus
-    from dsec_kernel.config import default_state_dir
-    from dsec_kernel.state import ClusterState
+    from dsec_kernel.state import ClusterState, password_hash
     from dsec_kernel.wire import NAME_PATTERN, Quota
 
-    name, url = args.name, args.nats_url
+    name = args.name
+    if args.action != "logins" and not name:
+        raise errors.InvalidArgument(f"give the tenant: dsec tenant {args.action} NAME")
     quota = Quota(sandboxes=args.sandboxes, cpus=args.cpus, memory_mb=args.memory_mb)
-
-    if url is None:  # the service URL that `dsec up` wrote next to the connection file
-        path = default_state_dir() / "service.json"
-        try:
-            url = json.loads(path.read_text())["url"]
-        except (OSError, ValueError, KeyError):
-            raise errors.InvalidArgument(
-                f"pass --nats-url (a NATS user that may write KV); {path} is not readable"
-            ) from None
-    nc = await bus.connect(url, name="dsec-cli")
+    url, login = _service_login(args)
+    nc = await bus.connect(url, name="dsec-cli", login=login)
     try:
         state = await ClusterState.open(nc, create=False)
         if args.action == "quota":
@@ -191,7 +208,29 @@ async def _cmd_tenant(args: argparse.Namespace) -> int:
             await state.quotas.put(name, quota.model_dump_json().encode())
             print(f"tenant {name}: quota {quota.model_dump_json()}")
             return 0
+        if args.action == "remove":
+            print(f"tenant {name}: removed {await state.remove_tenant(name)} credential(s)")
+            return 0
+        if args.action == "logins":
+            from dsec_kernel.natsserver import authorization_block
+
+            service = login and {"user": login.user, "password": password_hash(login.password)}
+            print(authorization_block(service, await state.tenant_logins()), end="")
+            return 0
         token = await state.create_tenant(name)
+        if args.wait > 0:
+            try:
+                clients = ",".join(bus.server_urls(url))
+                await bus.wait_accepted(clients, bus.Login.for_token(token), args.wait)
+            except errors.DsecError:
+                await state.tenants.delete(bus.token_key(token))
+                raise errors.Unavailable(
+                    f"NATS did not take tenant {name}'s login within {args.wait:g}s, so the "
+                    "credential was withdrawn: nothing loads logins from the tenants bucket into "
+                    "this NATS (`dsec up` and `dsec cluster-up` do). With your own NATS: `dsec "
+                    f"tenant create {name} --wait 0`, then put the output of `dsec tenant logins` "
+                    "into its config and reload it"
+                ) from None
     finally:
         await nc.drain()
     print(token)
@@ -294,20 +333,22 @@ def _cmd_layer(args: argparse.Namespace) -> int:
             layer = store.import_layer(
                 args.source, args.kind, args.name, args.version,
                 progress=lambda step: status.update(f"{args.name}:{args.version}: {step}"),
+                tenant=args.tenant,
             )  # fmt: skip
         print(f"{layer.ref} {layer.kind} {layer.digest} {layer.size} bytes {layer.files} files")
     elif args.layer_cmd == "ls":
-        table = Table("name:version", "kind", "digest", "size", "files")
-        for layer in sorted(store.list_layers(), key=lambda x: (x.kind, x.ref)):
+        table = Table("name:version", "owner", "kind", "digest", "size", "files")
+        for layer in sorted(store.list_layers(), key=lambda x: (x.tenant or "", x.kind, x.ref)):
             table.add_row(
-                layer.ref, layer.kind, layer.digest[:19], _size(layer.size), str(layer.files)
-            )
+                layer.ref, layer.tenant or "public", layer.kind, layer.digest[:19],
+                _size(layer.size), str(layer.files),
+            )  # fmt: skip
         Console().print(table)
     elif args.layer_cmd == "rm":
         name, _, version = args.ref.partition(":")
         if not version:
             raise errors.InvalidArgument(f"give name:version, not {args.ref!r}")
-        print(f"removed {store.remove(name, version, force=args.force).ref}")
+        print(f"removed {store.remove(name, version, force=args.force, tenant=args.tenant).ref}")
     else:
         report = store.gc()
         print(f"removed {len(report.removed)} image(s), freed {_size(report.bytes_freed)}")
@@ -364,7 +405,10 @@ def main(argv: list[str] | None = None) -> int:
             from dsec_kernel.cli.services import run_apiserver
 
             run_apiserver(
-                nats_url=args.nats_url, placement=args.placement, node_timeout_s=args.node_timeout_s
+                nats_url=args.nats_url,
+                nats_login_file=args.nats_login_file,
+                placement=args.placement,
+                node_timeout_s=args.node_timeout_s,
             )
             return 0
         if args.cmd == "edge":
@@ -372,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
 
             run_edge(
                 nats_url=args.nats_url,
+                nats_login_file=args.nats_login_file,
                 node=args.node,
                 pool=args.pool,
                 state_dir=args.state_dir,

@@ -10,6 +10,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from nats.aio.client import Client as NATS
+
 from dsec_kernel import bus
 from dsec_kernel.apiserver import ApiServer
 from dsec_kernel.config import ApiSettings, EdgeSettings
@@ -64,12 +66,24 @@ async def freeze_long_lived(freeze_s: float = 2.0, collect_s: float = 3600.0) ->
         gc.freeze()
 
 
+async def _connect(settings: ApiSettings | EdgeSettings, name: str) -> NATS:
+    """The service's NATS connection, with the login from ``nats_login_file`` if set."""
+    if "@" in settings.nats_url:
+        log.warning(
+            "the NATS URL carries a credential, which every process this one starts inherits "
+            "(a sandbox's init included): give it with --nats-login-file instead"
+        )
+    login = bus.Login.read(settings.nats_login_file) if settings.nats_login_file else None
+    return await bus.connect(
+        settings.nats_url, name=name, login=login, credentials=settings.nats_credentials,
+        timeout=30,
+    )  # fmt: skip
+
+
 async def _apiserver(settings: ApiSettings, stop: asyncio.Event) -> None:
     hooks = Hooks.load(guards=settings.guards)
     policy_cls = load_drivers("dsec.placement", [settings.placement])[settings.placement].obj
-    nc = await bus.connect(
-        settings.nats_url, name="dsec-apiserver", credentials=settings.nats_credentials
-    )
+    nc = await _connect(settings, "dsec-apiserver")
     server = ApiServer(nc, settings, hooks, policy_cls(hooks, settings.placement_config))
     try:
         await server.start()
@@ -86,9 +100,7 @@ async def _edge(settings: EdgeSettings, stop: asyncio.Event) -> None:
     for name, reason in skipped.items():
         log.warning("backend %s skipped: %s", name, reason)
     hooks = Hooks.load(guards=settings.guards)
-    nc = await bus.connect(
-        settings.nats_url, name=f"dsec-edge-{settings.node}", credentials=settings.nats_credentials
-    )
+    nc = await _connect(settings, f"dsec-edge-{settings.node}")
     edge = Edge(nc, settings, backends, hooks)
     try:
         await edge.start()

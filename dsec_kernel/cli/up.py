@@ -3,9 +3,11 @@ cluster on one machine.
 
 ``up`` starts an embedded nats-server with JetStream, one apiserver and one edge (each its
 own process); ``cluster-up`` a NATS cluster (JetStream replicated), several apiservers and
-several edges, each edge in its own network namespace. Both write the connection file, and
-stop everything on Ctrl-C / SIGTERM — or, given a command after ``--``, run it against the
-platform and stop when it exits.
+several edges, each edge in its own network namespace. Both write the connection file (the
+client URL and the default tenant's token) and the service file (the URL and the path of the
+service login, for operator commands), and stop everything on Ctrl-C / SIGTERM — or, given a
+command after ``--``, run it against the platform and stop when it exits. Tenant logins
+follow the tenants bucket while they run.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 from dsec_kernel import errors
 from dsec_kernel.cluster import LocalCluster, ensure_tenant
 from dsec_kernel.config import default_node_name, default_state_dir
-from dsec_kernel.connection import Connection, connection_file, write_connection
+from dsec_kernel.connection import connection_file, service_file, write_connection, write_service
 
 __all__ = ["cluster_up", "up"]
 
@@ -114,14 +116,20 @@ def _run(
         cluster.start_nats()
         conn_path = connection_file(state_dir)
         conn = asyncio.run(
-            ensure_tenant(cluster.url, "default", _old_token(conn_path), cluster.nats.client_url)
+            ensure_tenant(
+                cluster.url,
+                "default",
+                _old_token(conn_path),
+                cluster.nats.client_url,
+                replicas=cluster.kv_replicas,
+            )
         )
         cluster.conn = conn
         what = start()
         _say(f"starting {what} ...")
         asyncio.run(cluster.ready(ready_timeout))
         write_connection(conn_path, conn)
-        write_connection(state_dir / "service.json", Connection(cluster.url, "", "operator"))
+        write_service(service_file(state_dir), cluster.nats.client_url, cluster.nats.login_file)
         _say(f"ready: tenant {conn.tenant!r}; logs in {cluster.logs}")
         _say(f"connection file {conn_path}")
         if state_dir != default_state_dir().resolve():

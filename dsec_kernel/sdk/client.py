@@ -257,10 +257,13 @@ class Sandbox:
 
 
 class AsyncClient:
-    """The DSec client. Connects to the address and credential that :func:`resolve` finds.
+    """The DSec client. Connects to the address and credential that :func:`resolve` finds,
+    logging in to NATS as the credential's own user (:meth:`bus.Login.for_token`): it hears
+    replies in its own inbox only.
 
-    ``async with AsyncClient() as c:`` connects and closes. Every method raises a
-    :class:`~dsec_kernel.errors.DsecError` subclass on failure.
+    ``async with AsyncClient() as c:`` connects and closes (Unauthenticated if NATS does not
+    know the token). Every method raises a :class:`~dsec_kernel.errors.DsecError` subclass
+    on failure.
     """
 
     def __init__(
@@ -283,7 +286,11 @@ class AsyncClient:
         self._lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._back = asyncio.Event()
         self._nc = await bus.connect(
-            conn.url, name=self._name, disconnected_cb=self._on_lost, reconnected_cb=self._on_back
+            conn.url,
+            name=self._name,
+            login=bus.Login.for_token(conn.token),
+            disconnected_cb=self._on_lost,
+            reconnected_cb=self._on_back,
         )
         return self
 
@@ -298,7 +305,7 @@ class AsyncClient:
 
     async def close(self) -> None:
         if self._nc is not None:
-            await self._nc.drain()
+            await bus.disconnect(self._nc)
             self._nc = None
 
     async def __aenter__(self) -> AsyncClient:
@@ -314,6 +321,11 @@ class AsyncClient:
         if self._nc is None:
             raise errors.Unavailable("the client is not connected; use `async with` or connect()")
         for _ in range(3):
+            if self._nc.is_closed:  # not by close(): NATS refused the login when reconnecting
+                raise errors.Unauthenticated(
+                    f"NATS closed the connection before {op}: it no longer knows this credential "
+                    "(removed by the operator?)"
+                )
             send = bus.request(
                 self._nc, bus.api_subject(op), msg, reply,
                 timeout=timeout or self.timeout, headers=self._headers,

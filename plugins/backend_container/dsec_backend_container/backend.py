@@ -123,8 +123,20 @@ class ContainerConfig(BaseModel):
     )
     zram_size_mb: int = Field(0, ge=0, description="its size (0: half the node's memory)")
     egress_subnet: str = Field("10.213.0.0/16", description="addresses of egress sandboxes")
-    egress_bridge: str = Field(
-        "dsec0", pattern=r"^[A-Za-z0-9_-]{1,15}$", description="the node's bridge for them"
+    egress_name: str = Field(
+        "dsec0", pattern=r"^[A-Za-z0-9_-]{1,15}$", description="names this backend's egress rules"
+    )
+    egress_allow: list[str] = Field(
+        default_factory=list,
+        description="CIDR [tcp|udp[/PORT[-PORT]]] egress sandboxes may reach although not "
+        "global (e.g. the cluster's DNS resolver); never the host or another sandbox",
+    )
+    egress_deny: list[str] = Field(
+        default_factory=list, description="more CIDRs egress sandboxes may not reach"
+    )
+    egress_max_flows: int = Field(4096, ge=1, description="connections one sandbox may track")
+    egress_check_s: float = Field(
+        2.0, gt=0, description="how often denied egress is counted and reported"
     )
 
 
@@ -166,6 +178,7 @@ class ContainerBackend(Backend):
         self._staged: set[str] = set()  # digests mounted ahead of use (prestage)
         self._locks: dict[str, asyncio.Lock] = {}
         self._gc: asyncio.Task[None] | None = None
+        self._watch_egress: asyncio.Task[None] | None = None
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -225,18 +238,28 @@ class ContainerBackend(Backend):
             self.config.snapshot_max_depth,
             self.config.snapshot_grace_s,
         )
-        self.egress = Egress(self.config.egress_subnet, self.config.egress_bridge)
+        c = self.config
+        try:
+            self.egress = Egress(
+                c.egress_subnet, c.egress_name, c.egress_allow, c.egress_deny, c.egress_max_flows
+            )
+        except ValueError as exc:
+            raise errors.InvalidArgument(f"egress configuration: {exc}") from None
+        self.hooks = ctx.hooks
+        self._denied: dict[str, int] = {}
         self.swap = ZramSwap(self.config.zram_size_mb)
         held = await asyncio.to_thread(self.store.adopt, self.node)
         for sandbox_id, pidfd in await asyncio.to_thread(self._adopt, held):
             self.inits.watch(sandbox_id, pidfd)
         self._gc = asyncio.create_task(self._collect())
+        self._watch_egress = asyncio.create_task(self._report_denied())
 
     async def close(self) -> None:
         """Sandboxes stay (a restarted edge adopts them); an empty cgroup parent, an unused
         egress bridge and the sandboxes' filesystem, if nothing is left on it, go."""
-        if self._gc is not None:
-            self._gc.cancel()
+        for task in (self._gc, self._watch_egress):
+            if task is not None:
+                task.cancel()
         self.inits.close()
         await asyncio.to_thread(self.trash.close)
         await asyncio.to_thread(self.egress.close)
@@ -267,7 +290,7 @@ class ContainerBackend(Backend):
                 self.metas[meta.id] = meta
                 kept.append((meta.id, pidfd))
                 if meta.address:
-                    self.egress.used.add(meta.address)
+                    self.egress.adopt(meta.id, meta.address)
             else:
                 why = "ran without a user namespace (an older DSec)" if pidfd else "lost its init"
                 log.warning("sandbox %s %s while the edge was down; removing it", d.name, why)
@@ -294,6 +317,27 @@ class ContainerBackend(Backend):
                     log.info("collected %d snapshot(s)", len(removed))
             except Exception:
                 log.exception("snapshot collection failed")
+
+    async def _report_denied(self) -> None:
+        """Every ``egress_check_s``: what each egress sandbox tried and was refused since the
+        last look (the host, other sandboxes, private ranges: a scan shows here) becomes a
+        guard event ``egress_denied`` with the packets refused and the total so far."""
+        while True:
+            await asyncio.sleep(self.config.egress_check_s)
+            if not self.egress.used:
+                continue
+            try:
+                counts = await asyncio.to_thread(self.egress.denied)
+            except errors.DsecError as exc:
+                log.warning("cannot count denied egress: %s", exc)
+                continue
+            for sandbox_id, total in counts.items():
+                new = total - self._denied.get(sandbox_id, 0)
+                if new > 0:
+                    await self.hooks.guard_event(
+                        sandbox_id, "egress_denied", {"packets": new, "total": total}
+                    )
+            self._denied = counts
 
     # -- sandboxes ---------------------------------------------------------------------------
 

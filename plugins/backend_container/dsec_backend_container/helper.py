@@ -138,7 +138,8 @@ class Helper:
             cmd += ["--seccomp", str(seccomp)]
         if file_size is not None:
             cmd += ["--fsize", str(file_size)]
-        env_fd = _env_memfd(env)  # applied only once inside: the helper's own environment is empty
+        # applied only once inside: the helper's own environment is empty
+        env_fd = _memfd(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
         status_r, status_w = os.pipe()
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
@@ -172,9 +173,13 @@ class Helper:
         await _file_op(argv, pidfd, data, path)
 
 
-def _env_memfd(env: dict[str, str]) -> int:
-    fd = os.memfd_create("dsec-env", os.MFD_CLOEXEC)
-    os.write(fd, b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
+def _memfd(data: bytes) -> int:
+    """A memory file holding ``data``, read from its start: what a helper reads as its
+    environment or a file's new content (no pipe to feed while the helper may exit)."""
+    fd = os.memfd_create("dsec", os.MFD_CLOEXEC)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
@@ -184,11 +189,15 @@ _FILE_ERRORS = {errno.ENOENT: errors.NotFound, errno.ENOTDIR: errors.NotFound}
 
 
 async def _file_op(argv: list[str], pidfd: int, data: bytes, path: str) -> bytes:
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env={}, pass_fds=(pidfd,),
-    )  # fmt: skip
-    out, err = await proc.communicate(data)
+    source = _memfd(data)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=source, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env={}, pass_fds=(pidfd,),
+        )  # fmt: skip
+    finally:
+        os.close(source)
+    out, err = await proc.communicate()
     if proc.returncode == 0:
         return out
     text = err.decode(errors="replace").strip()

@@ -241,22 +241,30 @@ async def test_a_restarted_backend_adopts_live_sandboxes_and_removes_dead_ones(
         await b.destroy(SandboxRef(sandbox_id="sb-00000000000000a1"))
 
 
-async def test_egress_is_a_veth_to_the_node_bridge_and_goes_with_the_sandbox(
+async def test_egress_is_a_link_of_its_own_and_goes_with_the_sandbox(
     make_config, tmp_path, monkeypatch
 ):
-    """network="egress": eth0 with an address, a default route through the node's bridge
-    (here reaching a server the test runs on the bridge address); network="none": only lo,
-    nothing reachable. Bridge, veth and namespace are gone afterwards. The edge process is
-    never forked on the way (a forked copy of a threaded edge shares its signal wakeup fd:
-    pyroute2's ``netns=`` did that, and the SIGTERM it sent its child stopped the edge)."""
+    """network="egress": eth0 with an address and a default route through the gateway on
+    the host end of its own link; the host itself is not reachable (a server the test runs
+    on the gateway address is refused, and the refusal is a guard event); network="none":
+    only lo. Link and namespace are gone afterwards. The edge process is never forked on
+    the way (a forked copy of a threaded edge shares its signal wakeup fd: pyroute2's
+    ``netns=`` did that, and the SIGTERM it sent its child stopped the edge).
+    test_container_egress.py tests the rules themselves."""
 
     def no_fork() -> int:
         raise AssertionError("the backend forked the edge process")
 
     monkeypatch.setattr(os, "fork", no_fork)
-    bridge, subnet = f"dsect{os.urandom(3).hex()}", f"10.214.{os.urandom(1)[0]}.0/24"
-    config = make_config(egress_bridge=bridge, egress_subnet=subnet)
+    name, subnet = f"dsect{os.urandom(3).hex()}", f"10.214.{os.urandom(1)[0]}.0/24"
+    config = make_config(egress_name=name, egress_subnet=subnet, egress_check_s=0.2)
     async with started(ContainerBackend(config), tmp_path) as b:
+        events: list[tuple[str, str, dict]] = []
+
+        async def guard_event(sandbox_id: str, kind: str, detail: dict) -> None:
+            events.append((sandbox_id, kind, detail))
+
+        monkeypatch.setattr(b.hooks, "guard_event", guard_event)
         out, closed = (
             new("sb-" + os.urandom(8).hex(), network="egress"),
             new("sb-" + os.urandom(8).hex()),
@@ -266,13 +274,19 @@ async def test_egress_is_a_veth_to_the_node_bridge_and_goes_with_the_sandbox(
         gateway = str(b.egress.gateway)
         server = ThreadingHTTPServer((gateway, 0), _Hello)
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        url = f"http://{gateway}:{server.server_address[1]}/"
+        port = server.server_address[1]
+        get = f"printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 2 {gateway} {port}"
         try:
-            r = await sh(b, out.id, f"ip -o -4 addr show eth0; ip route; wget -q -O- {url}")
-            assert r.exit_code == 0, r
+            r = await sh(b, out.id, f"ip -o -4 addr show eth0; ip route; {get}")
             assert b.metas[out.id].address in r.stdout.decode()
-            assert f"default via {gateway}".encode() in r.stdout and r.stdout.endswith(b"hello\n")
-            r = await sh(b, closed.id, f"ip -o link | cut -d: -f2; wget -q -T 2 -O- {url}")
+            assert f"default via {gateway}".encode() in r.stdout, r
+            assert b"hello" not in r.stdout and r.exit_code != 0, r  # the host is refused
+            for _ in range(50):
+                if any(i == out.id and k == "egress_denied" for i, k, _ in events):
+                    break
+                await asyncio.sleep(0.1)
+            assert any(i == out.id and k == "egress_denied" for i, k, _ in events), events
+            r = await sh(b, closed.id, f"ip -o link | cut -d: -f2; {get}")
             assert r.stdout.split() == [b"lo"] and r.exit_code != 0, r
         finally:
             server.shutdown()
@@ -280,7 +294,7 @@ async def test_egress_is_a_veth_to_the_node_bridge_and_goes_with_the_sandbox(
             for sb in (out, closed):
                 await b.destroy(SandboxRef(sandbox_id=sb.id))
         assert not (b.root / out.id).exists()
-    assert await asyncio.to_thread(_links, (bridge, "dsv")) == []  # no bridge, no veth
+    assert await asyncio.to_thread(_links, ("dsv",)) == []  # no link left
 
 
 def _links(prefixes: tuple[str, ...]) -> list[str]:
