@@ -321,11 +321,22 @@ class ApiServer:
             await self.hooks.node_down(down, lost[down.node])
 
     async def _nodes(self, req: bus.Request) -> NodesResponse:
-        """The nodes, without the layers each has used (those name other tenants' layers;
-        placement reads them here, tenants do not)."""
-        await self._auth(req)
+        """The nodes, with the layers each has used as the caller sees them: public ones and
+        its own (another tenant's layers are not named)."""
+        own = f"{await self._auth(req)}/"
         return NodesResponse(
-            nodes=[v.info.model_copy(update={"layers": []}) for v in self.views.values()]
+            nodes=[
+                v.info.model_copy(
+                    update={
+                        "layers": [
+                            x.removeprefix(own)
+                            for x in v.info.layers
+                            if "/" not in x or x.startswith(own)
+                        ]
+                    }
+                )
+                for v in self.views.values()
+            ]
         )
 
     # -- helpers -----------------------------------------------------------------------------

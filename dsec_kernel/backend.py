@@ -121,6 +121,11 @@ class SandboxStatus(BaseModel):
     sandbox_id: SandboxId
     state: str = Field(description="ready | paused | ... (backend's own view)")
     running_execs: int = 0
+    layers: list[str] = Field(
+        default_factory=list,
+        description="after create: the layers it uses, `name:version` if public and "
+        "`tenant/name:version` if its tenant's own (placement prefers nodes that have them)",
+    )
 
 
 class Backend(abc.ABC):
@@ -213,7 +218,8 @@ class Backend(abc.ABC):
     async def prestage(self, layers: list[str], tenant: str | None = None) -> list[str]:
         """Make these layers (``name:version``, as ``tenant`` sees them: its own and public
         ones) ready on this node ahead of sandboxes that will use them; returns those it
-        staged (a backend without layers stages none)."""
+        staged, named as in :attr:`SandboxStatus.layers` (a backend without layers stages
+        none)."""
         return []
 
     async def pause(self, ref: SandboxRef) -> PauseReport:

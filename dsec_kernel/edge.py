@@ -374,7 +374,7 @@ class Edge:
         try:
             backend = self._backend(sb.spec.backend)
             async with self._create_slots[sb.spec.backend]:
-                await backend.create(sb)
+                status = await backend.create(sb)
         except errors.DsecError as exc:
             return exc
         except Exception as exc:
@@ -395,8 +395,7 @@ class Edge:
         self._add(info)
         self._born[sb.id] = time.monotonic()
         self.replays.fresh(sb.id)
-        if sb.spec.env:
-            self._used_layers([ref for _, ref in sb.spec.env.refs()])
+        self._used_layers(status.layers)
         await self.hooks.sandbox_created(info)
         return info
 

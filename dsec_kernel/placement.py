@@ -173,7 +173,8 @@ class ScoredPolicy(PlacementPolicy):
         bonus = self.hooks.placement_score(node, request)
         if refs and self.config.locality_weight:
             cached = set(node.info.layers)
-            bonus += self.config.locality_weight * sum(r in cached for r in refs) / len(refs)
+            hits = sum(r in cached or f"{request.tenant}/{r}" in cached for r in refs)
+            bonus += self.config.locality_weight * hits / len(refs)
         return bonus
 
     def _burst(

@@ -76,7 +76,9 @@ class NodeInfo(Message):
     state: Literal["up", "down"] = "up"
     pool: str = Field("default", pattern=NAME_PATTERN, description="node pool label")
     layers: list[str] = Field(
-        default_factory=list, description="layers (name:version) lately used or staged here"
+        default_factory=list,
+        description="layers lately used or staged here: name:version if public, "
+        "tenant/name:version if a tenant's own (a tenant sees its own and the public ones)",
     )
     labels: dict[str, str] = Field(default_factory=dict)
     backends: list[BackendInfo] = Field(default_factory=list)

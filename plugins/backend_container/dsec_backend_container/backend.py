@@ -61,7 +61,7 @@ from dsec_kernel.backend import (
 )
 from dsec_kernel.cgroups import Group, favor_dynamic_changes, v1_controllers
 from dsec_kernel.config import StorageSettings
-from dsec_kernel.storage import LayerStore, open_store
+from dsec_kernel.storage import Layer, LayerStore, open_store
 from dsec_kernel.wire import (
     MAX_FILE_BYTES,
     SANDBOX_ID_PATTERN,
@@ -388,7 +388,7 @@ class ContainerBackend(Backend):
             raise errors.Conflict(f"sandbox {sandbox.id} already exists")
         async with self._lock(sandbox.id):
             try:
-                meta, pidfd = await asyncio.to_thread(self._create, sandbox)
+                meta, pidfd, refs = await asyncio.to_thread(self._create, sandbox)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise errors.CapacityExceeded(
@@ -400,32 +400,34 @@ class ContainerBackend(Backend):
                 ) from None
             self.metas[sandbox.id] = meta
             self.inits.watch(sandbox.id, pidfd)
-        return SandboxStatus(sandbox_id=sandbox.id, state="ready")
+        return SandboxStatus(sandbox_id=sandbox.id, state="ready", layers=refs)
 
-    def _layers_for(self, sandbox: EdgeSandbox) -> tuple[list[str], list[str]]:
-        """(layer digests top first, snapshot chain newest first) for a new sandbox."""
+    def _layers_for(self, sandbox: EdgeSandbox) -> tuple[list[str], list[str], list[str]]:
+        """(layer digests top first, snapshot chain newest first, the layers as
+        SandboxStatus.layers names them) for a new sandbox."""
         spec = sandbox.spec
         if spec.snapshot:
             chain = self.snapshots.chain(spec.snapshot, sandbox.tenant)
-            return chain[0].layers, [c.id for c in chain]
+            return chain[0].layers, [c.id for c in chain], []
         if spec.env is None:
             raise errors.InvalidArgument(
                 "a container sandbox needs an env (base layer at least) or a snapshot to start "
                 "from; `dsec layer ls` lists the layers"
             )
-        return [
-            self.store.resolve(*ref.split(":", 1), kind, tenant=sandbox.tenant).digest
+        layers = [
+            self.store.resolve(*ref.split(":", 1), kind, tenant=sandbox.tenant)
             for kind, ref in spec.env.refs()
-        ], []
+        ]
+        return [layer.digest for layer in layers], [], [_owned_ref(x) for x in layers]
 
-    def _create(self, sandbox: EdgeSandbox) -> tuple[Meta, int]:
+    def _create(self, sandbox: EdgeSandbox) -> tuple[Meta, int, list[str]]:
         spec = sandbox.spec
         sd = SandboxDir(self.root, sandbox.id)
         holder = self._holder(sandbox.id)
         mounted: list[str] = []
         meta = None
         try:
-            layers, chain = self._layers_for(sandbox)
+            layers, chain, refs = self._layers_for(sandbox)
             meta = Meta(
                 id=sandbox.id, tenant=sandbox.tenant, created_at=sandbox.created_at,
                 layers=layers, chain=chain, origin=chain, limits=spec.limits,
@@ -449,7 +451,7 @@ class ContainerBackend(Backend):
             except BaseException:
                 self._kill_init(sandbox.id, pidfd)
                 raise
-            return meta, pidfd
+            return meta, pidfd, refs
         except BaseException:
             self._cleanup(sd, meta, None, chain=locals().get("chain", []), mounted=mounted)
             raise
@@ -555,13 +557,15 @@ class ContainerBackend(Backend):
         return await asyncio.to_thread(self._prestage, layers, tenant)
 
     def _prestage(self, layers: list[str], tenant: str | None) -> list[str]:
+        staged = []
         for ref in layers:
-            digest = self.store.resolve(*ref.split(":", 1), tenant=tenant).digest
-            root = self.store.mount(digest, self._holder("prestaged"))
-            self._staged.add(digest)
+            layer = self.store.resolve(*ref.split(":", 1), tenant=tenant)
+            root = self.store.mount(layer.digest, self._holder("prestaged"))
+            self._staged.add(layer.digest)
             for _ in os.walk(root):
                 pass
-        return layers
+            staged.append(_owned_ref(layer))
+        return staged
 
     def _drop_swap(self) -> None:
         freezer_root = self.cgroups.dirs["freezer"].parent
@@ -776,6 +780,12 @@ class ContainerBackend(Backend):
             shutil.rmtree(tree, ignore_errors=True)
         return LayerInfo(digest=layer.digest, kind=layer.kind, name=layer.name,
                          version=layer.version, size=layer.size)  # fmt: skip
+
+
+def _owned_ref(layer: Layer) -> str:
+    """A layer as nodes list it: ``name:version`` if public, ``tenant/name:version`` if a
+    tenant's own."""
+    return f"{layer.tenant}/{layer.ref}" if layer.tenant else layer.ref
 
 
 def _raise_open_files_limit() -> None:

@@ -77,8 +77,8 @@ class Helper:
         netns: Path | None = None,
     ) -> tuple[int, int]:
         """Start a sandbox's init in ``sandbox_dir`` (see the source's header for its
-        layout); returns its host PID and a pidfd of it. Raises Unavailable with the reason
-        (for the edge's log: it names host paths)."""
+        layout); returns its host PID and a pidfd of it. Raises Unavailable (the reason goes
+        to the edge's log: it names host paths)."""
         argv = [
             str(self.path), "init", "--dir", str(sandbox_dir),
             "--lower", ":".join(str(p) for p in lowers),
@@ -95,8 +95,9 @@ class Helper:
                 argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, env={},
                 pass_fds=(theirs.fileno(),),
             )  # fmt: skip
-            if proc.returncode != 0:
-                raise errors.Unavailable(f"the sandbox did not start: {proc.stderr.strip()}")
+            if proc.returncode != 0:  # the reason names host paths: for the edge's log only
+                log.warning("a sandbox did not start: %s", proc.stderr.strip())
+                raise errors.Unavailable("the sandbox did not start on this node; retry")
             theirs.close()
             msg, fds, _flags, _addr = socket.recv_fds(ours, 64, 1)
         if len(fds) != 1:
