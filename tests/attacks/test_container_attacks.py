@@ -227,10 +227,11 @@ async def test_no_process_is_traceable_before_its_seccomp_filter(attacker, tmp_p
         await sb.write_file("/tracer", (tmp_path / "t").read_bytes(), mode=0o755)
         tracer = asyncio.ensure_future(sb.exec("/tracer 8", timeout=30))
         await asyncio.sleep(0.5)
-        for _ in range(40):
-            r = await sb.exec("grep -E 'Seccomp|NoNewPrivs' /proc/self/status")
+        for _ in range(30):  # each lives a moment: the tracer gets to it, after its exec
+            r = await sb.exec("sleep 0.2; grep -E 'Seccomp|NoNewPrivs' /proc/self/status")
             assert b"Seccomp:\t2" in r.stdout and b"NoNewPrivs:\t1" in r.stdout
         caught, unfiltered = map(int, (await tracer).stdout.split())
+        assert caught > 0, "the tracer attached nothing at all: it proves nothing"
         assert unfiltered == 0, f"{unfiltered} of {caught} traced before their filter"
         attack("ptrace a command before its seccomp filter", "container",
                f"never (attached {caught} after exec, all filtered)")  # fmt: skip
@@ -375,12 +376,12 @@ _CLASSICS = {
     "read the host's disk": "head -c 1 /dev/vda >/dev/null",
     "set the hostname": "hostname evil",
     "change an address": "ip addr add 10.9.9.9/32 dev lo",
-    "load a module": "insmod /x.ko",
+    "load a module": "insmod /bin/busybox",
     "read /proc/1/root": "ls /proc/1/root/",
     "write uid_map": "echo '0 0 1' > /proc/self/uid_map",
-    "chroot out": "mkdir -p /j && chroot /j /bin/sh -c true",
+    "pivot the root": "mkdir -p /j && pivot_root / /j",
     "list the kernel's keys": "test -s /proc/keys",
-    "swapoff": "swapoff -a",
+    "swap off": "swapoff /dev/zram0",
     "reboot": "reboot -f",
 }
 
