@@ -127,6 +127,35 @@ def no_leaks(session_cgroups, tmp_path_factory):
 
 
 @pytest.fixture
+def nats_as():
+    """``await nats_as(url, token)``: a bare NATS connection (no reconnects) with the login of
+    a tenant credential, and the errors NATS sends it (lower case), as an attacker would
+    hold them."""
+    import nats
+
+    from dsec_kernel import bus
+
+    async def connect(url: str, token: str):
+        seen: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            seen.append(str(exc).lower())
+
+        login = bus.Login.for_token(token)
+        nc = await nats.connect(
+            url,
+            user=login.user,
+            password=login.password,
+            inbox_prefix=login.inbox_prefix,
+            error_cb=on_error,
+            allow_reconnect=False,
+        )
+        return nc, seen
+
+    return connect
+
+
+@pytest.fixture
 def busybox_env(tmp_path) -> dict[str, str]:
     """A layer store under ``tmp_path`` holding the busybox base (``busybox:1``), as the
     settings that point services at it."""

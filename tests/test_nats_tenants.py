@@ -52,25 +52,6 @@ async def tenant(server: NatsServer, name: str) -> str:
     return (await ensure_tenant(server.service_url, name, client_url=server.client_url)).token
 
 
-async def raw(server: NatsServer, token: str):
-    """A bare NATS connection with the login of ``token``, and the errors NATS sends it."""
-    seen: list[str] = []
-
-    async def on_error(exc: Exception) -> None:
-        seen.append(str(exc).lower())
-
-    login = bus.Login.for_token(token)
-    nc = await nats.connect(
-        server.client_url,
-        user=login.user,
-        password=login.password,
-        inbox_prefix=login.inbox_prefix,
-        error_cb=on_error,
-        allow_reconnect=False,
-    )
-    return nc, seen
-
-
 async def dsec_cli(*args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dsec_kernel.cli", *args,
@@ -84,11 +65,11 @@ def operator(server: NatsServer) -> list[str]:
     return ["--nats-url", server.client_url, "--nats-login-file", str(server.login_file)]
 
 
-async def test_a_tenant_login_reaches_only_the_api_and_its_own_inbox(server):
+async def test_a_tenant_login_reaches_only_the_api_and_its_own_inbox(server, nats_as):
     a, b = await tenant(server, "alice"), await tenant(server, "bob")
     b_inbox = bus.Login.for_token(b).inbox_prefix
-    nc, seen = await raw(server, a)
-    bob_nc, _ = await raw(server, b)
+    nc, seen = await nats_as(server.client_url, a)
+    bob_nc, _ = await nats_as(server.client_url, b)
     bob_heard: list[str] = []
 
     async def hear(msg) -> None:
@@ -123,10 +104,10 @@ async def test_a_tenant_login_reaches_only_the_api_and_its_own_inbox(server):
     await bob_nc.close()
 
 
-async def test_the_apiserver_answers_only_into_the_inbox_of_the_token(server):
+async def test_the_apiserver_answers_only_into_the_inbox_of_the_token(server, nats_as):
     a, b = await tenant(server, "alice"), await tenant(server, "bob")
-    nc, _ = await raw(server, a)
-    bob_nc, _ = await raw(server, b)
+    nc, _ = await nats_as(server.client_url, a)
+    bob_nc, _ = await nats_as(server.client_url, b)
     b_inbox = bus.Login.for_token(b).inbox_prefix
     bob_heard = await bob_nc.subscribe(f"{b_inbox}.>")
     service = await bus.connect(server.service_url, name="watcher")

@@ -20,29 +20,9 @@ import pytest
 
 import dsec_kernel as dsec
 from dsec_kernel import bus, errors
-from dsec_kernel.connection import Connection
 from dsec_kernel.state import ClusterState
 
 BUSYBOX = dsec.Env(base="busybox:1")
-
-
-async def login(who: Connection):
-    """A bare NATS connection with ``who``'s own login, and the errors NATS sends it."""
-    seen: list[str] = []
-
-    async def on_error(exc: Exception) -> None:
-        seen.append(str(exc).lower())
-
-    me = bus.Login.for_token(who.token)
-    nc = await nats.connect(
-        who.url,
-        user=me.user,
-        password=me.password,
-        inbox_prefix=me.inbox_prefix,
-        error_cb=on_error,
-        allow_reconnect=False,
-    )
-    return nc, seen
 
 
 async def work(platform, client: dsec.AsyncClient) -> dsec.Sandbox:
@@ -60,9 +40,11 @@ def refused(seen: list[str], kind: str, subject: str) -> bool:
     return f'violation for {kind} to "{subject.lower()}"' in "\n".join(seen)
 
 
-async def test_snooping_on_inboxes_while_the_victim_works(platform, victim, attacker, attack):
+async def test_snooping_on_inboxes_while_the_victim_works(
+    platform, victim, attacker, attack, nats_as
+):
     sb = await work(platform, victim)
-    nc, seen = await login(platform.attacker)
+    nc, seen = await nats_as(platform.attacker.url, platform.attacker.token)
     heard: list[str] = []
 
     async def hear(msg) -> None:
@@ -88,10 +70,12 @@ async def test_snooping_on_inboxes_while_the_victim_works(platform, victim, atta
         await victim.destroy([sb])
 
 
-async def test_reply_injection_into_the_victims_inbox(platform, victim, attacker, attack):
+async def test_reply_injection_into_the_victims_inbox(platform, victim, attacker, attack, nats_as):
     sb = await work(platform, victim)
-    nc, seen = await login(platform.attacker)
-    watch, _ = await login(platform.victim)  # the victim's own view of its inbox
+    nc, seen = await nats_as(platform.attacker.url, platform.attacker.token)
+    watch, _ = await nats_as(
+        platform.victim.url, platform.victim.token
+    )  # the victim's own view of its inbox
     victim_inbox = bus.Login.for_token(platform.victim.token).inbox_prefix
     pending = victim._nc._resp_sub_prefix.decode()  # where the victim's replies come now
     heard: list[str] = []
@@ -124,9 +108,11 @@ async def test_reply_injection_into_the_victims_inbox(platform, victim, attacker
         await victim.destroy([sb])
 
 
-async def test_calling_an_edge_and_reading_or_forging_kv(platform, victim, attacker, attack):
+async def test_calling_an_edge_and_reading_or_forging_kv(
+    platform, victim, attacker, attack, nats_as
+):
     sb = await work(platform, victim)
-    nc, seen = await login(platform.attacker)
+    nc, seen = await nats_as(platform.attacker.url, platform.attacker.token)
     service = await bus.connect(platform.cluster.url, name="attack-check")
     state = await ClusterState.open(service, create=False)
     tenants_before = await state.tenant_logins()
