@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec_kernel.cgroups import v1_controllers
+from dsec_kernel.cgroups import v1_controllers, v2_own
 from dsec_kernel.cluster import LocalCluster
 
 pytest.register_assert_rewrite("dsec_kernel.conformance")  # before any test imports it
@@ -61,8 +61,9 @@ def mounts(below: str) -> set[str]:
 
 
 def cgroups() -> set[str]:
-    """DSec's cgroups below this process's own, in every v1 hierarchy."""
-    return {str(p) for d in v1_controllers().values() for p in d.glob("dsec*")}
+    """DSec's cgroups below this process's own, in every hierarchy (v1 and cgroup2)."""
+    own = [*v1_controllers().values(), *filter(None, [v2_own()])]
+    return {str(p) for d in own for p in d.glob("dsec*")}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -75,9 +76,9 @@ def hermetic():
 
 @pytest.fixture(scope="session", autouse=True)
 def session_cgroups(hermetic):
-    """Move pytest into a cgroup of its own in every v1 hierarchy that takes it (cpuset,
-    with no CPUs of its own, does not); back out at the end."""
-    parents = v1_controllers()
+    """Move pytest into a cgroup of its own in every hierarchy that takes it (v1 cpuset,
+    with no CPUs of its own, does not; cgroup2 as "unified"); back out at the end."""
+    parents = v1_controllers() | ({"unified": own} if (own := v2_own()) else {})
     made: dict[str, Path] = {}
     me = str(os.getpid())
     for controller, parent in parents.items():

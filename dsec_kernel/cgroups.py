@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dsec_kernel import linux
 
-__all__ = ["Group", "favor_dynamic_changes", "v1_controllers"]
+__all__ = ["Group", "favor_dynamic_changes", "v1_controllers", "v2_own"]
 
 
 def v1_controllers() -> dict[str, Path]:
@@ -35,6 +35,19 @@ def v1_controllers() -> dict[str, Path]:
                 if name in mounts:
                     own[name] = mounts[name] / path.lstrip("/")
     return own
+
+
+def v2_own() -> Path | None:
+    """This process's own cgroup in the cgroup2 hierarchy, if one is mounted (here it has no
+    controllers: it serves ``cgroup.kill`` and eBPF programs)."""
+    with open("/proc/self/mountinfo") as f:
+        points = [left.split()[4] for left, _, right in (line.partition(" - ") for line in f)
+                  if right.split()[0] == "cgroup2"]  # fmt: skip
+    with open("/proc/self/cgroup") as f:
+        own = next((line[3:].strip() for line in f if line.startswith("0::")), None)
+    if not points or own is None:
+        return None
+    return Path(points[0]) / own.lstrip("/")
 
 
 def favor_dynamic_changes() -> str | None:

@@ -134,11 +134,11 @@ async def test_restarting_everything_keeps_the_state(cluster):
         await c.exec_many(sbs, "echo kept > /tmp/k")
     cluster.stop()  # every process, and the network
     cluster.start_nats()
+    for node in NODES:  # edges first: a fresh apiserver gives nodes a node timeout from its
+        _start_edge(cluster, node)  # start, which four edges starting at once may overrun
     for i in range(2):
-        cluster.apiservers[i] = cluster.start_apiserver("--node-timeout", "2")
+        cluster.apiservers[i] = cluster.start_apiserver("--node-timeout", "5")
     del cluster.apiservers[2:]
-    for node in NODES:
-        _start_edge(cluster, node)
     await cluster.ready(120)
     async with cluster.client() as c:
         assert {sb.id for sb in await c.list()} == {sb.id for sb in sbs}

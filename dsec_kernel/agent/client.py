@@ -45,10 +45,15 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[errors.DsecError]] = {
 }
 
 
-def status_error(exc: grpc.aio.AioRpcError, what: str) -> errors.DsecError:
-    """The DSec error for a failed agent call."""
+def status_error(exc: grpc.aio.AioRpcError, what: str, target: str = "") -> errors.DsecError:
+    """The DSec error for a failed agent call. Transport errors name the agent's address;
+    ``target``'s socket path is replaced by "the agent" (tenants see no host path)."""
     cls = _STATUS_ERRORS.get(exc.code(), errors.Internal)
-    return cls(f"{what}: {exc.details() or exc.code().name}")
+    details = exc.details() or exc.code().name
+    if target.startswith("unix:"):
+        path = target.removeprefix("unix://").removeprefix("unix:")
+        details = details.replace(f"unix:{path}", "the agent").replace(path, "the agent")
+    return cls(f"{what}: {details}")
 
 
 async def collect_exec(events: AsyncIterator[pb.ExecEvent], sandbox_id: str = "") -> ExecResult:
@@ -122,7 +127,7 @@ class AgentClient:
         try:
             return await collect_exec(call, req.sandbox)
         except grpc.aio.AioRpcError as exc:
-            raise status_error(exc, "exec") from None
+            raise status_error(exc, "exec", self.target) from None
         except BaseException:
             call.cancel()
             raise
@@ -133,7 +138,7 @@ class AgentClient:
                 pb.ReadFileRequest(sandbox=sandbox, path=path, max_bytes=max_bytes), timeout=60
             )
         except grpc.aio.AioRpcError as exc:
-            raise status_error(exc, f"read {path}") from None
+            raise status_error(exc, f"read {path}", self.target) from None
         return resp.data
 
     async def write_file(self, sandbox: str, path: str, data: bytes, mode: int) -> int:
@@ -142,7 +147,7 @@ class AgentClient:
                 pb.WriteFileRequest(sandbox=sandbox, path=path, data=data, mode=mode), timeout=60
             )
         except grpc.aio.AioRpcError as exc:
-            raise status_error(exc, f"write {path}") from None
+            raise status_error(exc, f"write {path}", self.target) from None
         return resp.size
 
     async def signal(self, sandbox: str, exec_id: str, signum: int) -> int:
@@ -151,5 +156,5 @@ class AgentClient:
                 pb.SignalRequest(sandbox=sandbox, exec_id=exec_id, signal=signum), timeout=10
             )
         except grpc.aio.AioRpcError as exc:
-            raise status_error(exc, "signal") from None
+            raise status_error(exc, "signal", self.target) from None
         return resp.delivered

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 import dsec_backend_fncall
 import dsec_kernel
 from dsec_backend_fncall.seccomp import compile_profile
-from dsec_backend_fncall.supervisor import SupervisorConfig
+from dsec_backend_fncall.supervisor import DEFAULT_ENV, SupervisorConfig
 from dsec_kernel import errors
 from dsec_kernel.agent import AgentClient
 from dsec_kernel.agent import agent_pb2 as pb
@@ -62,6 +62,9 @@ class FncallConfig(BaseModel):
 
     pool_size: int = Field(8, ge=1, le=1024, description="workers kept ready")
     max_running: int = Field(64, ge=1, le=4096, description="calls running at once")
+    tenant_max_running: int | None = Field(
+        None, ge=1, description="calls one tenant runs at once (default: 3/4 of max_running)"
+    )
     max_sandboxes: int = Field(100_000, ge=1, description="sandboxes one node holds")
     tmp_size_mb: int = Field(64, ge=1, description="each call's /tmp")
     memory_mb: int = Field(512, ge=32, description="default address-space limit per call")
@@ -140,8 +143,9 @@ class FncallBackend(Backend):
             }
         )
         prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
-        shared = ("pool_size", "max_running", "tmp_size_mb", "memory_mb", "processes",
-                  "file_size_mb", "uid_base", "uid_count", "loopback", "cgroups")  # fmt: skip
+        shared = ("pool_size", "max_running", "tenant_max_running", "tmp_size_mb", "memory_mb",
+                  "processes", "file_size_mb", "uid_base", "uid_count", "loopback",
+                  "cgroups")  # fmt: skip
         self.supervisor_config = SupervisorConfig(
             socket=str(self.socket),
             files_root=str(self.root),
@@ -157,7 +161,14 @@ class FncallBackend(Backend):
         self._watchdog = asyncio.create_task(self._watch())
 
     async def _start_supervisor(self) -> None:
+        """Start the supervisor with a clean environment: the edge's (which holds the NATS
+        service credential) never reaches it, its zygote or any call."""
         log_path = self.state_dir / "supervisor.log"
+        env = {
+            "PATH": DEFAULT_ENV["PATH"],
+            "LANG": "C.UTF-8",
+            "PYTHONPATH": os.pathsep.join(self.supervisor_config.sys_path),
+        }
         with open(log_path, "ab") as logf:
             self.proc = subprocess.Popen(
                 [
@@ -169,6 +180,7 @@ class FncallBackend(Backend):
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                env=env,
                 preexec_fn=lambda: die_with_parent(signal.SIGTERM),
             )
         if self.agent is None:
@@ -223,22 +235,26 @@ class FncallBackend(Backend):
             (d / "limits.json").write_text(sandbox.spec.limits.model_dump_json())
         except FileExistsError:
             raise errors.Conflict(f"sandbox {sandbox.id} already exists") from None
-        except OSError as exc:
+        except OSError as exc:  # (strerror: the message names no host path)
             shutil.rmtree(d, ignore_errors=True)
-            raise errors.Unavailable(f"cannot create sandbox {sandbox.id}: {exc}") from None
+            raise errors.Unavailable(
+                f"cannot create sandbox {sandbox.id}: {exc.strerror}"
+            ) from None
         self._limits[sandbox.id] = sandbox.spec.limits
         return SandboxStatus(sandbox_id=sandbox.id, state="ready")
 
     async def destroy(self, ref: SandboxRef) -> None:
+        """Remove the files, then kill the calls: a call still waiting for a slot finds no
+        sandbox when its turn comes (``NotFound``), one that has its slot is killed."""
         d = self.root / ref.sandbox_id
+        self._limits.pop(ref.sandbox_id, None)
+        if d.exists():
+            await asyncio.to_thread(shutil.rmtree, d, True)
         if self.agent is not None:
             try:
                 await self.agent.signal(ref.sandbox_id, "", signal.SIGKILL)
             except errors.DsecError as exc:
                 log.warning("could not stop %s's calls: %s", ref.sandbox_id, exc)
-        self._limits.pop(ref.sandbox_id, None)
-        if d.exists():
-            await asyncio.to_thread(shutil.rmtree, d, True)
 
     async def status(self, ref: SandboxRef) -> SandboxStatus:
         self._dir(ref.sandbox_id)
@@ -277,6 +293,7 @@ class FncallBackend(Backend):
                 max_output_bytes=call.max_output_bytes,
                 limits=self._pb_limits(limits),
                 user=call.user or "",
+                tenant=call.tenant,
             )
         )
 
@@ -296,6 +313,7 @@ class FncallBackend(Backend):
                 timeout_s=request.timeout_s,
                 max_output_bytes=request.max_output_bytes,
                 limits=self._pb_limits(limits),
+                tenant=request.tenant or "",
             )
         )
 

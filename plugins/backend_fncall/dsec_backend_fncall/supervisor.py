@@ -1,9 +1,12 @@
 """The fncall supervisor: serves the kernel's agent protocol for the warm pool.
 
-``python -m dsec_backend_fncall.supervisor CONFIG_JSON`` (started by the edge's fncall backend).
-It starts the zygote (:mod:`dsec_backend_fncall.zygote`), keeps ``pool_size`` workers ready,
-and serves ``Agent`` on a unix socket: each Exec takes one fresh worker, streams its output
-and reports its exit; the worker is never reused.
+``python -m dsec_backend_fncall.supervisor CONFIG_JSON`` (started by the edge's fncall backend,
+with a clean environment). It starts the zygote (:mod:`dsec_backend_fncall.zygote`), keeps
+``pool_size`` workers ready (:mod:`dsec_backend_fncall.pool`), and serves ``Agent`` on a unix
+socket: each Exec waits for a slot (shared fairly between tenants:
+:mod:`dsec_backend_fncall.fairshare`), takes one fresh worker, streams its output and reports
+its exit; the worker is never reused. At the timeout the call is killed unless its worker has
+really exited: the supervisor trusts the kernel (pidfd, cgroup), never what a call says.
 """
 
 from __future__ import annotations
@@ -16,27 +19,24 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec_backend_fncall.zygote import BOOT
+from dsec_backend_fncall.fairshare import TenantSlots
+from dsec_backend_fncall.pool import Pool, Worker
 from dsec_kernel import errors
 from dsec_kernel.agent import agent_pb2 as pb
 from dsec_kernel.agent.agent_pb2_grpc import AgentServicer, add_AgentServicer_to_server
 from dsec_kernel.agent.client import unix_target
-from dsec_kernel.cgroups import Group, v1_controllers
 from dsec_kernel.fileio import read_whole
-from dsec_kernel.procs import die_with_parent
 from dsec_kernel.wire import SANDBOX_ID_PATTERN
 
-__all__ = ["Pool", "SupervisorConfig", "main"]
+__all__ = ["SupervisorConfig", "main"]
 
 log = logging.getLogger("dsec.fncall.supervisor")
 
@@ -47,6 +47,7 @@ DEFAULT_ENV = {
     "LANG": "C.UTF-8",
 }
 LANGUAGES = {"python": None, "bash": ["/bin/bash", "-c"]}
+_MAX_PENDING = 1 << 20
 _SANDBOX = re.compile(SANDBOX_ID_PATTERN)
 
 
@@ -59,6 +60,7 @@ class SupervisorConfig(BaseModel):
     files_root: str
     pool_size: int = Field(8, ge=1)
     max_running: int = Field(64, ge=1)
+    tenant_max_running: int | None = Field(None, ge=1)
     tmp_size_mb: int = Field(64, ge=1)
     memory_mb: int = Field(512, ge=32)
     processes: int = Field(64, ge=1)
@@ -75,244 +77,29 @@ class SupervisorConfig(BaseModel):
     cgroups: bool = True
 
 
-@dataclass
-class Worker:
-    """A ready worker: PID 1 of its namespaces, waiting for one call."""
-
-    wid: int
-    pid: int
-    uid: int
-    ctrl: socket.socket
-    stdin: int
-    stdout: int
-    stderr: int
-    pidfd: int
-    exited: asyncio.Future[dict] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-
-    def kill(self, sig: int = signal.SIGKILL) -> bool:
-        try:
-            signal.pidfd_send_signal(self.pidfd, sig)
-            return True
-        except ProcessLookupError:
-            return False
-
-    def close_stdin(self) -> None:
-        if self.stdin >= 0:
-            os.close(self.stdin)
-            self.stdin = -1
-
-    def close(self) -> None:
-        """Close every descriptor held for this worker (each exactly once)."""
-        self.ctrl.close()
-        self.close_stdin()
-        for fd in (self.stdout, self.stderr, self.pidfd):
-            os.close(fd)
+def tenant_share(cfg: SupervisorConfig) -> int:
+    """Calls one tenant may run at once: ``tenant_max_running``, by default three quarters
+    of ``max_running`` (at least 1), so that other tenants always find slots free."""
+    if cfg.tenant_max_running is not None:
+        return min(cfg.tenant_max_running, cfg.max_running)
+    return max(1, cfg.max_running - cfg.max_running // 4)
 
 
-class Pool:
-    """The zygote and the workers it made: ``take()`` one, the pool refills itself."""
-
-    def __init__(self, cfg: SupervisorConfig) -> None:
-        self.cfg = cfg
-        self.ready: deque[Worker] = deque()
-        self.waiters: deque[asyncio.Future[Worker]] = deque()
-        self.spawning = 0
-        self.busy = 0
-        self.live: dict[int, Worker] = {}
-        self.sock: socket.socket | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.closing = False
-        self.cgroup = _cgroup_base() if cfg.cgroups else None
-
-    def start(self) -> None:
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        zcfg = {
-            **self.cfg.model_dump(
-                include={
-                    "tmp_size_mb",
-                    "uid_base",
-                    "uid_count",
-                    "masks",
-                    "keep",
-                    "bpf_hex",
-                    "sys_path",
-                    "hostname",
-                    "loopback",
-                }
-            ),
-            "files_root": self.cfg.files_root,
-            "cgroups": {c: str(d) for c, d in self.cgroup.dirs.items()} if self.cgroup else {},
-            "sock_fd": child.fileno(),
-            "supervisor_pid": os.getpid(),
-        }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-S", "-I", "-c", BOOT, json.dumps(zcfg)],
-            pass_fds=[child.fileno()],
-            stdin=subprocess.DEVNULL,
-            env={"PYTHONIOENCODING": "utf-8:backslashreplace", "LANG": "C.UTF-8"},
-            preexec_fn=lambda: die_with_parent(signal.SIGKILL),
-        )
-        child.close()
-        parent.setblocking(False)
-        self.sock = parent
-        self.spawning = 0
-        asyncio.get_running_loop().add_reader(parent.fileno(), self._on_message)
-        self._refill()
-
-    def _refill(self) -> None:
-        """Top the pool up. While calls run and half the pool is still ready, wait: forking
-        next to a running call slows it down, and the pool refills when calls finish."""
-        if self.busy and len(self.ready) >= self.cfg.pool_size // 2 and not self.waiters:
-            return
-        want = self.cfg.pool_size + len(self.waiters)
-        while self.sock is not None and len(self.ready) + self.spawning < want:
-            urgent = self.spawning < len(self.waiters)
-            try:
-                self.sock.send(b'{"op": "spawn", "urgent": true}' if urgent else b'{"op": "spawn"}')
-            except OSError:  # the zygote is gone; _on_message sees the end and restarts it
-                return
-            self.spawning += 1
-
-    def release(self) -> None:
-        """A worker taken with :meth:`take` has finished its call."""
-        self.busy -= 1
-        self._refill()
-
-    async def take(self) -> Worker:
-        if self.ready:
-            w = self.ready.popleft()
-        else:
-            fut: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
-            self.waiters.append(fut)
-            self._refill()
-            try:
-                w = await fut
-            except asyncio.CancelledError:
-                if fut in self.waiters:
-                    self.waiters.remove(fut)
-                elif fut.done() and not fut.cancelled():
-                    self.ready.appendleft(fut.result())
-                raise
-        self.busy += 1
-        self._refill()
-        return w
-
-    def _on_message(self) -> None:
-        assert self.sock is not None
-        try:
-            data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 16, 8)
-        except BlockingIOError:
-            return
-        except OSError:  # ECONNRESET: it died with our requests unread
-            data, fds = b"", []
-        if not data:
-            self._zygote_died()
-            return
-        msg = json.loads(data)
-        op = msg["op"]
-        if op == "ready":
-            self.spawning -= 1
-            ctrl, stdin, stdout, stderr, pidfd = fds
-            for fd in (stdout, stderr):
-                os.set_blocking(fd, False)
-            w = Worker(
-                msg["wid"],
-                msg["pid"],
-                msg["uid"],
-                socket.socket(fileno=ctrl),
-                stdin,
-                stdout,
-                stderr,
-                pidfd,
-            )
-            self.live[w.wid] = w
-            while self.waiters:
-                fut = self.waiters.popleft()
-                if not fut.done():
-                    fut.set_result(w)
-                    return
-            self.ready.append(w)
-        elif op == "exit":
-            w = self.live.pop(msg["wid"], None)
-            if w is not None and not w.exited.done():
-                w.exited.set_result(msg)
-        elif op == "error":
-            self.spawning -= 1
-            log.error("zygote: %s", msg["message"])
-            self._fail_waiters(msg["message"], 1)
-
-    def _fail_waiters(self, reason: str, count: int) -> None:
-        while count and self.waiters:
-            fut = self.waiters.popleft()
-            if not fut.done():
-                fut.set_exception(RuntimeError(reason))
-                count -= 1
-
-    def _zygote_died(self) -> None:
-        """Every worker died with it (PDEATHSIG): fail what waits, start a new zygote."""
-        loop = asyncio.get_running_loop()
-        assert self.sock is not None
-        loop.remove_reader(self.sock.fileno())
-        self.sock.close()
-        self.sock = None
-        for w in self.live.values():
-            if not w.exited.done():
-                w.exited.set_result({"status": signal.SIGKILL, "cpu_s": 0.0, "max_rss": 0})
-        self.live.clear()
-        for w in self.ready:
-            w.close()
-        self.ready.clear()
-        self._fail_waiters("the zygote died", len(self.waiters))
-        if self.proc is not None:
-            self.proc.wait()
-        if not self.closing:  # (the next zygote's workers reuse the cgroup slots)
-            log.error(
-                "the zygote exited (%s); starting a new one", self.proc and self.proc.returncode
-            )
-            loop.call_later(0.2, self.start)
-
-    async def close(self) -> None:
-        self.closing = True
-        if self.sock is not None:
-            asyncio.get_running_loop().remove_reader(self.sock.fileno())
-            self.sock.close()
-            self.sock = None
-        for w in self.ready:
-            w.close()
-        if self.proc is not None:
-            self.proc.kill()
-            await asyncio.to_thread(self.proc.wait)
-        if self.cgroup is not None:
-            await asyncio.to_thread(self.cgroup.remove)
-
-
-def _cgroup_base() -> Group | None:
-    """This supervisor's memory+pids cgroup (``dsec-fncall-<pid>``), after removing those
-    of supervisors that died without cleaning up. None when the host has no such v1 ones."""
-    parents = {c: d for c, d in v1_controllers().items() if c in ("memory", "pids")}
-    if len(parents) < 2:
-        log.warning("no cgroup v1 memory and pids hierarchies: calls are limited by rlimits only")
-        return None
-    for stale in parents["memory"].glob("dsec-fncall-*"):
-        pid = stale.name.rsplit("-", 1)[1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            Group.under(parents, stale.name).remove()
-    try:
-        group = Group.under(parents, f"dsec-fncall-{os.getpid()}").create()
-        group.set("memory", "memory.swappiness", 0)  # slots inherit it: swap never stretches
-        return group  # a call's memory limit (a node may have swap for paused sandboxes)
-    except OSError as exc:
-        log.warning("cannot create cgroups (%s): calls are limited by rlimits only", exc)
-        return None
-
-
-@dataclass
+@dataclass(eq=False)
 class _Call:
+    """A call holding a slot; ``worker`` once one has accepted it. A SIGKILL that comes
+    before then marks it ``doomed``: its worker is killed as soon as it has one."""
+
     sandbox: str
     exec_id: str
-    worker: Worker
+    worker: Worker | None = None
+    doomed: bool = False
+
+    def signal(self, sig: int) -> bool:
+        if self.worker is None:
+            self.doomed = self.doomed or sig == signal.SIGKILL
+            return self.doomed
+        return self.worker.kill() if sig == signal.SIGKILL else self.worker.signal(sig)
 
 
 class Agent(AgentServicer):
@@ -323,8 +110,8 @@ class Agent(AgentServicer):
     def __init__(self, cfg: SupervisorConfig, pool: Pool) -> None:
         self.cfg = cfg
         self.pool = pool
-        self.slots = asyncio.Semaphore(cfg.max_running)
-        self.running: dict[int, _Call] = {}
+        self.slots = TenantSlots(cfg.max_running, tenant_share(cfg))
+        self.running: set[_Call] = set()
         self.files_root = Path(cfg.files_root)
         self.gid = cfg.uid_base - 1
 
@@ -354,6 +141,10 @@ class Agent(AgentServicer):
             )
         if req.sandbox and not _SANDBOX.match(req.sandbox):
             raise ValueError(f"bad sandbox id {req.sandbox!r}")
+        if any("\0" in a for a in (*argv, req.cwd, *req.env, *req.env.values())):
+            raise ValueError("argv, cwd and env cannot hold NUL characters")
+        if any(not k or "=" in k for k in req.env):
+            raise ValueError("environment names must be non-empty and hold no '='")
         lim = req.limits
         return {
             "mode": mode,
@@ -376,19 +167,31 @@ class Agent(AgentServicer):
             spec = self._spec(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if request.sandbox and not (self.files_root / request.sandbox / "files").is_dir():
+        if not self._exists(request.sandbox):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no sandbox {request.sandbox}")
-        async with self.slots:
-            worker = await self._hand_over(spec, context)
-            self.running[worker.wid] = _Call(request.sandbox, request.exec_id, worker)
+        async with self.slots.hold(request.tenant):
+            if not self._exists(request.sandbox):  # destroyed while the call waited
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no sandbox {request.sandbox}")
+            call = _Call(request.sandbox, request.exec_id)
+            self.running.add(call)
+            try:
+                call.worker = worker = await self._hand_over(spec, context)
+            except BaseException:
+                self.running.discard(call)
+                raise
+            if call.doomed:
+                worker.kill()
             try:
                 async for event in _run(
                     worker, request.stdin, request.timeout_s, request.max_output_bytes
                 ):
                     yield event
             finally:
-                self.running.pop(worker.wid, None)
+                self.running.discard(call)
                 self.pool.release()
+
+    def _exists(self, sandbox: str) -> bool:
+        return not sandbox or (self.files_root / sandbox / "files").is_dir()
 
     async def _hand_over(self, spec: dict, context: grpc.aio.ServicerContext) -> Worker:
         """A worker that has accepted the call. One that died in the pool (its zygote was
@@ -414,11 +217,11 @@ class Agent(AgentServicer):
 
     async def Signal(self, request: pb.SignalRequest, context) -> pb.SignalResponse:
         delivered = 0
-        for call in list(self.running.values()):
+        for call in list(self.running):
             if (request.exec_id and call.exec_id == request.exec_id) or (
                 not request.exec_id and call.sandbox == request.sandbox
             ):
-                delivered += call.worker.kill(request.signal or signal.SIGKILL)
+                delivered += call.signal(request.signal or signal.SIGKILL)
         return pb.SignalResponse(delivered=delivered)
 
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
@@ -481,8 +284,8 @@ class Agent(AgentServicer):
             os.replace(tmp, host)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except FileNotFoundError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except FileNotFoundError:  # (the message names the sandbox's path, never the host's)
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no sandbox {request.sandbox}")
         except OSError as exc:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{request.path}: {exc.strerror}"
@@ -514,13 +317,16 @@ async def _run(worker: Worker, stdin: bytes, timeout: float, cap: int):
             kept[name] += len(data)
             queue.put_nowait((name, data))
 
-    # the worker's own report (sent before it exits) has the program's status; without one
-    # (it was killed, or died), the zygote's wait status of the worker stands
+    # an argv call's status comes in the worker's report (sent before it exits); a python
+    # call's (its worker closes the socket before the code runs), or a worker's that died,
+    # is the wait status the zygote reads from the kernel
     report = asyncio.ensure_future(_read_report(worker.ctrl))
 
     def on_timeout() -> None:
-        if not (report.done() and report.result()):  # not a call that has just finished
-            state["timed_out"] = worker.kill()
+        # a report is no proof: whatever was said, a worker still alive is killed, with
+        # everything in its namespace and cgroup. One that had reported was on time.
+        killed = worker.kill()
+        state["timed_out"] = killed and not (report.done() and report.result())
 
     for fd, name in ((worker.stdout, "stdout"), (worker.stderr, "stderr")):
         loop.add_reader(fd, reader, fd, name)
@@ -560,11 +366,9 @@ async def _run(worker: Worker, stdin: bytes, timeout: float, cap: int):
 
 
 async def _read_report(ctrl: socket.socket) -> dict | None:
-    """The worker's final frame: its wait status and resource use (None if it died first).
-
-    In python mode the call's own code could write it: it can only misreport its own
-    result, and a frame over 4 KiB is ignored.
-    """
+    """The worker's final frame: the call's wait status and resource use; None at the end of
+    the stream (a python call, or a worker that died). No call's code holds the worker's end
+    of ``ctrl``; a frame over 4 KiB is ignored."""
     loop = asyncio.get_running_loop()
     buf = bytearray()
     need = 8
@@ -622,6 +426,11 @@ async def serve(cfg: SupervisorConfig) -> None:
         options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
+            # calls the server has received but the event loop has not yet picked up: past
+            # 1,000 gRPC cancels them at random (CANCELLED), all past 3,000. The one client is
+            # the edge, whose batches may be larger; the calls queue fairly in TenantSlots.
+            ("grpc.server.max_pending_requests", _MAX_PENDING),
+            ("grpc.server.max_pending_requests_hard_limit", _MAX_PENDING),
         ]
     )
     add_AgentServicer_to_server(Agent(cfg, pool), server)
