@@ -336,8 +336,11 @@ static void setup_root(const char *dir, char *lowers, long base, int userns, con
     }
     if (!n) die("no lower layer");
     idmapped("rw", "m/rw", userns, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV);
-    /* relative paths: the sandbox's mountinfo shows no host path */
-    if (snprintf(opts + len, sizeof opts - len, ",upperdir=m/rw/upper,workdir=m/rw/work") >=
+    /* relative paths: the sandbox's mountinfo shows no host path. volatile: the overlay
+     * never syncs the upper's filesystem (without it, every sandbox's exit committed a
+     * transaction of the node's whole btrfs: +3 ms a destroy, measured); a sandbox does not
+     * outlive its host anyway, and fsync inside it returns at once */
+    if (snprintf(opts + len, sizeof opts - len, ",upperdir=m/rw/upper,workdir=m/rw/work,volatile") >=
         (int)(sizeof opts - len))
         die("overlay options too long");
     create_as(base);
