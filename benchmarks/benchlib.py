@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from dsec_backend_container.layout import process_start
+from dsec_backend_container.inits import process_start
 from dsec_storage_3fs.mounts import mount_table
 
 

@@ -22,7 +22,6 @@ import os
 import re
 import resource
 import secrets
-import select
 import shutil
 import signal
 import time
@@ -33,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_backend_container.fsdiff import diff
 from dsec_backend_container.helper import Helper, compiler
-from dsec_backend_container.inits import Inits, process_start
+from dsec_backend_container.inits import Inits, exited, process_start
 from dsec_backend_container.layout import Meta, SandboxDir, Trash, delete_tree
 from dsec_backend_container.network import Egress
 from dsec_backend_container.overlay import apply
@@ -490,7 +489,7 @@ class ContainerBackend(Backend):
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             if is_frozen(group := self._group(sandbox_id)):  # frozen tasks die once thawed
                 freeze(group, False)
-            select.select([pidfd], [], [], 10)  # readable once it has exited
+            exited(pidfd, timeout=10)
         except ProcessLookupError:
             pass
         finally:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from dsec_kernel import errors
 
-__all__ = ["Inits", "process_start"]
+__all__ = ["Inits", "exited", "process_start"]
 
 
 def process_start(pid: int) -> int | None:
@@ -30,8 +30,12 @@ def process_start(pid: int) -> int | None:
     return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
-def _exited(pidfd: int) -> bool:
-    return bool(select.select([pidfd], [], [], 0)[0])
+def exited(pidfd: int, timeout: float = 0.0) -> bool:
+    """Whether the process of ``pidfd`` has exited (waiting up to ``timeout`` seconds). poll,
+    not select: a node's thousands of pidfds are past select's 1024."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(timeout * 1000))
 
 
 class Inits:
@@ -60,7 +64,7 @@ class Inits:
             return None
         # the pidfd names whoever had the pid when opened: if that is not our init, its
         # start time differs; if our init died after, the pidfd says so
-        if process_start(pid) != start or _exited(fd):
+        if process_start(pid) != start or exited(fd):
             os.close(fd)
             return None
         return fd
@@ -73,7 +77,7 @@ class Inits:
     def pidfd(self, sandbox_id: str) -> int:
         """The init's pidfd; SandboxLost if it is not held (the init is gone)."""
         fd = self._fds.get(sandbox_id)
-        if fd is None or _exited(fd):
+        if fd is None or exited(fd):
             raise errors.SandboxLost(
                 f"sandbox {sandbox_id} is lost: its init ended; destroy it and create another"
             )
@@ -81,7 +85,7 @@ class Inits:
 
     def alive(self, sandbox_id: str) -> bool:
         fd = self._fds.get(sandbox_id)
-        return fd is not None and not _exited(fd)
+        return fd is not None and not exited(fd)
 
     def take(self, sandbox_id: str) -> int | None:
         """Stop watching and hand over the pidfd (the caller closes it), e.g. to kill the

@@ -202,3 +202,21 @@ async def test_a_sandbox_whose_init_dies_is_lost_at_once(make_config, tmp_path):
         finally:
             await b.destroy(SandboxRef(sandbox_id=sb.id))
         assert leftovers(b, sb.id) == []
+
+
+async def test_pidfds_past_1024_are_watched_and_used(backend):
+    """A node holds thousands of pidfds: nothing may use select() on them (FD_SETSIZE)."""
+    sb = new(Env(base="busybox:1"))
+    await backend.create(sb)
+    high = 4000
+    try:
+        low = backend.inits.take(sb.id)
+        os.dup2(low, high)
+        os.close(low)
+        backend.inits.watch(sb.id, high)
+        r = await backend.exec(ExecCall(sandbox_id=sb.id, argv=["echo", "ok"], timeout_s=10,
+                                        max_output_bytes=10))  # fmt: skip
+        assert r.stdout == b"ok\n" and backend.inits.alive(sb.id)
+    finally:
+        await backend.destroy(SandboxRef(sandbox_id=sb.id))
+    assert leftovers(backend, sb.id) == []
