@@ -31,7 +31,6 @@ __all__ = [
     "loopback_up",
     "mount",
     "mount_setattr",
-    "open_in_root",
     "pivot_root",
     "set_dumpable",
     "set_no_new_privs",
@@ -124,27 +123,6 @@ def mount_setattr(path: str, attr_set: int, attr_clr: int = 0, recursive: bool =
         "mount_setattr",
         path,
     )
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-_SYS_OPENAT2 = 437
-_RESOLVE_IN_ROOT = 0x10
-_RESOLVE_NO_MAGICLINKS = 0x02
-
-
-def open_in_root(root_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
-    """Open ``path`` as if ``root_fd`` were ``/``: absolute symlinks and ``..`` cannot leave it
-    (openat2 with RESOLVE_IN_ROOT). For reaching into another root, e.g. /proc/PID/root."""
-    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0,
-                   _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)  # fmt: skip
-    fd = _libc.syscall(_SYS_OPENAT2, root_fd, _b(path), ctypes.byref(how), ctypes.sizeof(how))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), path)
-    return fd
 
 
 def pivot_root(new_root: str, put_old: str) -> None:

@@ -296,8 +296,8 @@ async def test_filling_the_disk_stops_at_the_quota(platform, attacker, victim, a
         r = await sb.exec("dd if=/dev/zero of=/fill bs=1M count=512", timeout=120)
         assert b"quota exceeded" in r.stderr.lower(), r.stderr
         r = await sb.exec(  # most of the quota taken: a flood of empty files ends soon
-            "rm /fill; sync; dd if=/dev/zero of=/fill bs=1M count=56 2>/dev/null; mkdir /i &&"
-            " cd /i && seq 1 2000000 | xargs touch; ls | wc -l",
+            "rm /fill; sync; dd if=/dev/zero of=/fill bs=1M count=63 2>/dev/null; mkdir /i &&"
+            " cd /i && seq 1 100000 | xargs touch; ls | wc -l",
             timeout=300,
         )
         assert b"quota exceeded" in r.stderr.lower(), r.stderr

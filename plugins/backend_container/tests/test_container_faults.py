@@ -106,8 +106,8 @@ async def test_a_sandbox_over_its_disk_quota_fails_alone(backend):
         flood = [
             "/bin/sh",
             "-c",
-            "rm /big; dd if=/dev/zero of=/big bs=1M count=28 2>/dev/null; mkdir /many && "
-            "cd /many && seq 1 1000000 | xargs touch; ls | wc -l",
+            "rm /big; dd if=/dev/zero of=/big bs=1M count=31 2>/dev/null; mkdir /many && "
+            "cd /many && seq 1 100000 | xargs touch; ls | wc -l",
         ]
         r = await backend.exec(
             ExecCall(sandbox_id=sb.id, argv=flood, timeout_s=120, max_output_bytes=4096)
