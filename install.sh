@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 
-apt_packages=(libseccomp2 iproute2 procps erofs-utils btrfs-progs busybox-static debootstrap gcc libc6-dev iptables
-              bubblewrap crun)
+apt_packages=(libseccomp2 iproute2 procps erofs-utils btrfs-progs busybox-static debootstrap gcc libc6-dev
+              nftables bubblewrap crun)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
