@@ -60,6 +60,24 @@ def mounts(below: str) -> set[str]:
     return {" ".join(m) for m in found if m[1].startswith(below)}
 
 
+def uid_claims(below: str) -> set[str]:
+    """Sandboxes' uid range claims (/run/dsec/userns) for sandbox directories under
+    ``below``."""
+    try:
+        entries = list(Path("/run/dsec/userns").iterdir())
+    except FileNotFoundError:
+        return set()
+    found = set()
+    for entry in entries:
+        try:
+            target = os.readlink(entry)
+        except OSError:
+            continue
+        if target.startswith(below):
+            found.add(target)
+    return found
+
+
 def cgroups() -> set[str]:
     """DSec's cgroups below this process's own, in every hierarchy (v1 and cgroup2)."""
     own = [*v1_controllers().values(), *filter(None, [v2_own()])]
@@ -107,7 +125,7 @@ def no_leaks(session_cgroups, tmp_path_factory):
     or swap devices behind."""
     here = str(tmp_path_factory.getbasetemp())
     before = (set(session_processes(session_cgroups)), mounts(here), netns_entries(), cgroups(),
-              links_and_swaps())  # fmt: skip
+              links_and_swaps(), uid_claims(here))  # fmt: skip
     yield
     deadline = time.monotonic() + 15
     while True:
@@ -116,7 +134,8 @@ def no_leaks(session_cgroups, tmp_path_factory):
         new_netns = netns_entries() - before[2]
         new_cgroups = cgroups() - before[3]
         new_devices = links_and_swaps() - before[4]
-        leaks = procs or new_mounts or new_netns or new_cgroups or new_devices
+        new_claims = uid_claims(here) - before[5]
+        leaks = procs or new_mounts or new_netns or new_cgroups or new_devices or new_claims
         if not leaks or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -125,6 +144,7 @@ def no_leaks(session_cgroups, tmp_path_factory):
     assert not new_netns, f"network namespaces left behind: {new_netns}"
     assert not new_cgroups, f"cgroups left behind: {new_cgroups}"
     assert not new_devices, f"network interfaces or swap left behind: {new_devices}"
+    assert not new_claims, f"uid ranges left claimed: {new_claims}"
 
 
 @pytest.fixture

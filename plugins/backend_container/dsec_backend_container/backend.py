@@ -228,7 +228,7 @@ class ContainerBackend(Backend):
         parents = {c: d for c, d in v1_controllers().items() if c in CONTROLLERS}
         own = hashlib.sha256(str(ctx.state_dir.resolve()).encode()).hexdigest()[:12]
         self.cgroups = Group.under(parents, f"dsec-container-{own}").create()
-        self.uids = UidRanges(own)
+        self.uids = UidRanges()
         self.inits = Inits(self._init_ended)
         if why := favor_dynamic_changes():
             log.warning("starting a sandbox waits for an RCU grace period: %s", why)
@@ -294,7 +294,7 @@ class ContainerBackend(Backend):
                 why = "ran without a user namespace (an older DSec)" if pidfd else "lost its init"
                 log.warning("sandbox %s %s while the edge was down; removing it", d.name, why)
                 self._cleanup(sd, meta, pidfd)
-        self.uids.adopt({i: m.uid_base for i, m in self.metas.items()})
+        self.uids.adopt(self.root, {self.root / i: m.uid_base for i, m in self.metas.items()})
         for leftover in self.cgroups.dirs["memory"].iterdir():
             if leftover.is_dir() and leftover.name not in self.metas:
                 Group.under(self.cgroups.dirs, leftover.name).remove(kill=True)
@@ -431,7 +431,7 @@ class ContainerBackend(Backend):
                 id=sandbox.id, tenant=sandbox.tenant, created_at=sandbox.created_at,
                 layers=layers, chain=chain, origin=chain, limits=spec.limits,
                 network=spec.network, last_snapshot=chain[0] if chain else None,
-                uid_base=self.uids.claim(sandbox.id),
+                uid_base=self.uids.claim(sd.path),
                 disk_bytes=(spec.limits.disk_mb or self.config.disk_mb) << 20,
             )  # fmt: skip
             if chain:

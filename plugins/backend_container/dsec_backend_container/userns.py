@@ -1,16 +1,19 @@
 """Host uid ranges for sandboxes' user namespaces, one range per sandbox, node-wide.
 
 Root in a sandbox is uid ``base`` of the host, its uid 1 is ``base + 1``, and so on for
-``size`` uids: no two live sandboxes of a node (of any edge on it) share a uid, so none can
+65,536 uids: no two live sandboxes of a node (of any edge on it) share a uid, so none can
 signal, trace or read another's processes or files through a shared identity, and none of
-them is anyone on the host. A range is claimed by creating ``<claims>/<slot>`` exclusively
-(content: the claiming backend's tag and the sandbox), so edges on one node never collide.
+them is anyone on the host. A range is claimed by making ``<claims>/<slot>`` a symlink to the
+sandbox's directory (atomic: it exists or not, and says whose it is), so edges on one node
+never collide, and a claim whose sandbox directory is gone (its edge and state were removed
+without cleaning up) can be recognised and collected by any of them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 from dsec_kernel import errors
@@ -23,10 +26,9 @@ RANGE = 1 << 16
 
 
 class UidRanges:
-    """Claims and releases ranges; ``owner`` tags this backend's claims."""
+    """Claims and releases ranges under ``claims`` (shared by every edge of the node)."""
 
-    def __init__(self, owner: str, claims: Path = Path("/run/dsec/userns")) -> None:
-        self.owner = owner
+    def __init__(self, claims: Path = Path("/run/dsec/userns")) -> None:
         self.claims = claims
         self.slots = ((1 << 31) - FIRST_UID) // RANGE
         claims.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -40,17 +42,16 @@ class UidRanges:
             raise ValueError(f"{base} is not the start of a sandbox uid range")
         return slot
 
-    def claim(self, sandbox_id: str) -> int:
-        """A free range for ``sandbox_id``; returns its first host uid."""
-        start = int(hashlib.sha256(sandbox_id.encode()).hexdigest(), 16) % self.slots
+    def claim(self, sandbox_dir: Path) -> int:
+        """A free range for the sandbox whose directory is ``sandbox_dir`` (made soon after);
+        returns its first host uid."""
+        start = int(hashlib.sha256(str(sandbox_dir).encode()).hexdigest(), 16) % self.slots
         for i in range(self.slots):
             slot = (start + i) % self.slots
             try:
-                fd = os.open(self.claims / str(slot), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                os.symlink(sandbox_dir, self.claims / str(slot))
             except FileExistsError:
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(f"{self.owner} {sandbox_id}")
             return self.base(slot)
         raise errors.CapacityExceeded("no free uid range for another sandbox on this node")
 
@@ -61,18 +62,38 @@ class UidRanges:
         except FileNotFoundError:
             pass
 
-    def adopt(self, keep: dict[str, int]) -> None:
-        """After a restart: this backend's claims are exactly ``keep`` (sandbox id -> base);
-        claims of sandboxes that are gone are released, missing ones made again."""
-        wanted = {self._slot(b): sid for sid, b in keep.items()}
+    def adopt(self, root: Path, keep: dict[Path, int]) -> None:
+        """After a restart of the backend whose sandboxes' directories are below ``root``:
+        its claims are exactly ``keep`` (sandbox directory -> base); the others of its
+        claims go, missing ones are made again. Then claims anyone left whose sandbox
+        directory is gone are collected."""
+        wanted = {self._slot(b): str(d) for d, b in keep.items()}
+        for entry, target in self._entries():
+            if Path(target).parent == root and wanted.get(int(entry.name)) != target:
+                entry.unlink(missing_ok=True)
+        for slot, target in wanted.items():
+            try:
+                os.symlink(target, self.claims / str(slot))
+            except FileExistsError:
+                pass
+        self.collect()
+
+    def collect(self, grace_s: float = 60.0) -> None:
+        """Remove claims older than ``grace_s`` whose sandbox directory does not exist (a
+        create claims before it makes the directory)."""
+        now = time.time()
+        for entry, target in self._entries():
+            try:
+                if now - entry.lstat().st_mtime > grace_s and not os.path.isdir(target):
+                    entry.unlink(missing_ok=True)
+            except FileNotFoundError:
+                continue
+
+    def _entries(self) -> list[tuple[Path, str]]:
+        out = []
         for entry in self.claims.iterdir():
             try:
-                owner, sid = entry.read_text().split(" ", 1)
-            except (OSError, ValueError):
-                continue
-            if owner == self.owner and wanted.get(int(entry.name)) != sid:
+                out.append((entry, os.readlink(entry)))
+            except OSError:  # not a claim of this kind (a file of an older DSec): stale
                 entry.unlink(missing_ok=True)
-        for slot, sid in wanted.items():
-            path = self.claims / str(slot)
-            if not path.exists():
-                path.write_text(f"{self.owner} {sid}")
+        return out
