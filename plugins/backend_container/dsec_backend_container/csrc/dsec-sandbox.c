@@ -125,6 +125,14 @@ static void spare_from_oom(void) {
     if (fd >= 0) close(fd);
 }
 
+/* What /proc/PID/cmdline shows (readable by anyone who sees the process): our command line
+ * names host paths (cgroups, the seccomp file, the sandbox's directory), so a process the
+ * sandbox can see shows only `name`. */
+static void rename_self(const char *name) {
+    memset(args_start, 0, args_end - args_start);
+    strncpy(args_start, name, args_end - args_start - 1);
+}
+
 static void nondumpable(void) {
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0) die("prctl(DUMPABLE)");
 }
@@ -440,8 +448,7 @@ static int cmd_init(int argc, char **argv) {
         set_caps(0, 0);
         if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) die("no_new_privs");
         nondumpable(); /* changing uid made it so already; said again, as the contract */
-        memset(args_start, 0, args_end - args_start);
-        strcpy(args_start, "init");
+        rename_self("init");
         int null = open("/dev/null", O_RDWR | O_CLOEXEC);
         if (null < 0) die("open /dev/null");
         if (write(sync[1], "1", 1) != 1) _exit(1);
@@ -587,6 +594,7 @@ static int cmd_exec(int argc, char **argv) {
         }
         die("enter the sandbox");
     }
+    rename_self("dsec-exec"); /* the child is in the sandbox's sight until it execs */
     child = fork();
     if (child < 0) die("fork");
     if (child == 0) {
@@ -653,6 +661,7 @@ static void enter_files(int pidfd) {
         }
         die("enter the sandbox");
     }
+    rename_self("dsec-file"); /* the child is in the sandbox's sight */
     pid_t pid = fork();
     if (pid < 0) die("fork");
     if (pid > 0) {
@@ -785,6 +794,8 @@ static int cmd_file(const char *op, int argc, char **argv) {
 int main(int argc, char **argv) {
     args_start = argv[0];
     args_end = argv[argc - 1] + strlen(argv[argc - 1]) + 1;
+    for (int i = 0; i < argc; i++) /* copies: rename_self wipes the originals */
+        if (!(argv[i] = strdup(argv[i]))) die("strdup");
     if (argc >= 2 && !strcmp(argv[1], "init")) return cmd_init(argc - 2, argv + 2);
     if (argc >= 2 && !strcmp(argv[1], "exec")) return cmd_exec(argc - 2, argv + 2);
     if (argc >= 2 && (!strcmp(argv[1], "read") || !strcmp(argv[1], "write")))
