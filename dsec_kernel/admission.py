@@ -135,7 +135,7 @@ class Admission:
     # -- the queue ---------------------------------------------------------------------------
 
     def free(self, backend: str) -> int:
-        up = (v for v in self.api.views.values() if v.info.state == "up")
+        up = (v for v in self.api.views.values() if v.info.serving)
         return sum(v.free(backend) for v in up) - self.reserved[backend]
 
     @asynccontextmanager
@@ -166,7 +166,7 @@ class Admission:
         self, tenant: str, backend: str, count: int, wait_s: float, priority: int
     ) -> tuple[float, int]:
         queue = self.queues[backend]
-        up = [v for v in self.api.views.values() if v.info.state == "up"]
+        up = [v for v in self.api.views.values() if v.info.serving]
         if count > sum(v.capacity(backend) for v in up):
             raise errors.CapacityExceeded(
                 f"{count} {backend} sandboxes at once is more than the nodes up can ever hold "

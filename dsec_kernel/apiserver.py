@@ -290,7 +290,8 @@ class ApiServer:
         newly_down: list[tuple[NodeInfo, float]] = []
         for name, (info, rev) in list(self.nodes.items.items()):
             silent = now - self._seen.get(name, now)
-            if info.state != "up" or silent < self.settings.node_timeout_s:
+            grace = self.settings.restart_grace_s if info.stopping_since else None
+            if info.state != "up" or silent < (grace or self.settings.node_timeout_s):
                 continue
             down = info.model_copy(update={"state": "down"})
             try:
@@ -719,7 +720,7 @@ class ApiServer:
             serving = [
                 v.name
                 for v in self.views.values()
-                if v.info.state == "up"
+                if v.info.serving
                 and any(r.language in b.capabilities.fncall_languages for b in v.info.backends)
             ]
             if not serving:
@@ -802,7 +803,7 @@ class ApiServer:
         nodes = [
             v.name
             for v in self.views.values()
-            if v.info.state == "up" and (r.pool is None or v.info.pool == r.pool)
+            if v.info.serving and (r.pool is None or v.info.pool == r.pool)
         ]
         if not nodes:
             raise errors.NotFound(f"no node is up in pool {r.pool!r}")
@@ -827,7 +828,7 @@ class ApiServer:
         nodes = [
             v.name
             for v in self.views.values()
-            if v.info.state == "up" and any(b.capabilities.snapshot for b in v.info.backends)
+            if v.info.serving and any(b.capabilities.snapshot for b in v.info.backends)
         ]
         if not nodes:
             raise errors.Unsupported("no node runs a backend that keeps snapshots")

@@ -132,7 +132,7 @@ async def wait_ready(
                 up = {
                     n.node
                     for n in resp.nodes
-                    if n.state == "up" and n.backends and n.heartbeat_at >= since
+                    if n.serving and n.backends and n.heartbeat_at >= since
                 }
                 if want <= up:
                     return resp.nodes

@@ -62,6 +62,9 @@ class ApiSettings(_Common):
     node_timeout_s: float = Field(
         5.0, gt=0, description="a node silent this long is marked down, its sandboxes lost"
     )
+    restart_grace_s: float = Field(
+        60.0, gt=0, description="the same for a node whose edge stopped on purpose (a restart)"
+    )
     edge_timeout_s: float = Field(30.0, gt=0, description="longest wait for an edge's answer")
     lease_check_s: float = Field(0.5, gt=0, description="how often job leases are checked")
     pool_fill_s: float = Field(0.5, gt=0, description="how often warm pools are refilled")

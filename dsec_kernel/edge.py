@@ -17,6 +17,7 @@ from collections import Counter, OrderedDict
 from contextlib import suppress
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from pydantic import ValidationError
 
@@ -220,7 +221,19 @@ class Edge:
             await self._drain()
         if self._reporting:
             await asyncio.wait(set(self._reporting), timeout=10)
+        await self._announce_stop()
         await self._close_backends()
+
+    async def _announce_stop(self) -> None:
+        """Tell the apiservers this edge stopped on purpose: its sandboxes stay, and the node
+        is not marked down (nor they lost) unless it stays away past their restart grace."""
+        if self.state is None:
+            return
+        info = self.node_info().model_copy(update={"stopping_since": time.time()})
+        try:
+            await asyncio.wait_for(self.state.put_node(info), 5)
+        except (TimeoutError, errors.DsecError, nats.errors.Error) as exc:
+            log.warning("could not announce the stop (%r): the node times out as usual", exc)
 
     async def _close_backends(self) -> None:
         for backend in reversed(self._started_backends):

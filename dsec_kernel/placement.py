@@ -104,9 +104,7 @@ class PlacementPolicy(abc.ABC):
         return [
             n
             for n in nodes
-            if n.info.state == "up"
-            and n.free(backend) > 0
-            and self.hooks.placement_filter(n, request)
+            if n.info.serving and n.free(backend) > 0 and self.hooks.placement_filter(n, request)
         ]
 
     @abc.abstractmethod
@@ -191,7 +189,7 @@ class ScoredPolicy(PlacementPolicy):
         home = [n for n in cands if n.info.pool != self.config.burst_pool]
         if not burst or not home:
             return cands
-        pools = [n for n in nodes if n.info.state == "up" and n.info.pool != self.config.burst_pool]
+        pools = [n for n in nodes if n.info.serving and n.info.pool != self.config.burst_pool]
         cap = sum(n.capacity(backend) for n in pools)
         fill = sum(n.used(backend) for n in pools) / cap if cap else 1.0
         if fill >= self.config.burst_threshold:

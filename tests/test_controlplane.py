@@ -83,6 +83,12 @@ class Platform:
     async def stop_edge(self, node: str) -> None:
         await self.edges.pop(node).stop()
 
+    async def crash_edge(self, node: str) -> None:
+        """As if the node died: its connection goes first, so it cannot say it stops."""
+        edge = self.edges.pop(node)
+        await edge.nc.close()
+        await edge.stop()
+
     async def tenant(self, name: str) -> dsec.AsyncClient:
         conn = await ensure_tenant(self.url, name, client_url=self.client_url)
         return await dsec.AsyncClient(url=conn.url, token=conn.token).connect()
@@ -306,7 +312,7 @@ async def test_a_silent_node_is_marked_down_and_its_sandboxes_lost(platform):
     c = await platform.tenant("alice")
     sbs = await c.create(count=10, backend="noop")
     on_e2 = [sb for sb in sbs if sb.node == "e2"]
-    await platform.stop_edge("e2")
+    await platform.crash_edge("e2")
     nodes = await until(lambda: _down(c, "e2"), timeout=NODE_TIMEOUT + 5)
     assert nodes
     lost = await c.get(on_e2[0].id)
@@ -322,6 +328,24 @@ async def test_a_silent_node_is_marked_down_and_its_sandboxes_lost(platform):
 
 async def _down(c, node):
     return any(n.node == node and n.state == "down" for n in await c.nodes())
+
+
+async def test_an_edge_stopped_on_purpose_keeps_its_sandboxes_past_the_node_timeout(platform):
+    """A restart (or an upgrade) that takes longer than the node timeout loses nothing: the
+    stopping edge says so, gets no new work meanwhile, and takes its sandboxes back."""
+    await platform.add_edge("e1")
+    await platform.add_edge("e2")
+    c = await platform.tenant("alice")
+    sbs = await c.create(count=6, backend="noop")
+    await platform.stop_edge("e2")
+    await asyncio.sleep(NODE_TIMEOUT * 2)
+    assert not await _down(c, "e2")
+    assert {(await c.get(sb.id)).info.state for sb in sbs} == {"ready"}
+    assert {sb.node for sb in await c.create(count=4, backend="noop")} == {"e1"}
+    await platform.add_edge("e2")
+    assert {sb.node for sb in await c.list()} == {"e1", "e2"}
+    await c.destroy(await c.list())
+    await c.close()
 
 
 async def test_edge_reconciles_with_cluster_state(platform):

@@ -284,7 +284,7 @@ async def _client_cmd(args: argparse.Namespace) -> int:
             for n in await c.nodes():
                 table.add_row(
                     n.node,
-                    n.state,
+                    n.state if n.serving or n.state == "down" else "stopping",
                     n.pool,
                     ",".join(b.name for b in n.backends),
                     str(n.load.sandboxes),

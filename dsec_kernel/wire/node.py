@@ -67,7 +67,10 @@ class NodeInfo(Message):
     """A node's record in KV (bucket ``dsec-nodes``), rewritten by its edge every heartbeat.
 
     ``state`` is ``up`` while heartbeats arrive; an apiserver sets ``down`` when they stop
-    for longer than the node timeout, and reports the node's sandboxes lost.
+    for longer than the node timeout, and reports the node's sandboxes lost. An edge that
+    stops on purpose (a restart, an upgrade) sets ``stopping_since``: its sandboxes stay, it
+    gets no new work, and it is marked down only if it is not back within the apiservers'
+    restart grace.
     """
 
     type: Literal["io.dsec.node.v1.info"] = "io.dsec.node.v1.info"
@@ -89,6 +92,14 @@ class NodeInfo(Message):
     heartbeat_at: float = 0.0
     heartbeat_s: float = Field(1.0, description="interval between heartbeats")
     version: str = ""
+    stopping_since: float | None = Field(
+        None, description="when its edge stopped on purpose (None: it runs)"
+    )
+
+    @property
+    def serving(self) -> bool:
+        """Up, and its edge running: it takes new work."""
+        return self.state == "up" and self.stopping_since is None
 
     def backend(self, name: str) -> BackendInfo | None:
         return next((b for b in self.backends if b.name == name), None)
