@@ -17,7 +17,7 @@ on the other side as the matching subclass::
      ├── SandboxLost          its node went down; state is gone
      ├── SandboxPaused        paused (lease lapsed, priority, request): resume it first
      ├── QueueFull            the tenant's admission queue is full  (retryable)
-     ├── QuotaExceeded        the tenant's quota does not allow it
+     ├── QuotaExceeded        a quota (the tenant's, a sandbox's disk) does not allow it
      ├── Conflict             the state changed under the request (retryable)
      └── Internal             a bug or an unexpected failure
 

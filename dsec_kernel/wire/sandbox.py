@@ -47,6 +47,9 @@ class Limits(BaseModel):
     disk_mb: int | None = Field(
         None, ge=16, le=1 << 24, description="what the sandbox's files may take on the node's disk"
     )
+    inodes: int | None = Field(
+        None, ge=64, le=1 << 30, description="most files, directories and links its writes hold"
+    )
 
 
 LayerRef = Annotated[

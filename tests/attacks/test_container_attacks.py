@@ -324,6 +324,28 @@ async def test_filling_the_disk_stops_at_the_quota(platform, attacker, victim, a
         await victim.destroy([neighbour])
 
 
+async def test_an_inode_flood_stops_at_the_inode_limit(platform, attacker, victim, attack):
+    sb = await one(attacker, limits=dsec.Limits(inodes=5000))
+    neighbour = await one(victim, limits=dsec.Limits(inodes=5000))
+    try:
+        r = await sb.exec(  # (true: a failed redirection of ':' would end the shell)
+            "mkdir /i; n=0; while [ $n -lt 500000 ] && true > /i/$n; do n=$((n+1)); done; echo $n",
+            timeout=300,
+        )
+        made = int(r.stdout)
+        assert b"quota exceeded" in r.stderr.lower() and made < 500_000, (made, r.stderr[-200:])
+        assert (await sb.exec("touch /one-more")).exit_code != 0, "still closed"
+        with pytest.raises(errors.QuotaExceeded):
+            await sb.write_file("/one-more", b"x")
+        r = await neighbour.exec("mkdir /i && cd /i && seq 1 4000 | xargs touch && ls | wc -l")
+        assert r.stdout == b"4000\n", r
+        attack("flood the writable layer with empty files", "container",
+               f"EDQUOT after {made} of a 5,000-inode limit (one look's overshoot)")  # fmt: skip
+    finally:
+        await attacker.destroy([sb])
+        await victim.destroy([neighbour])
+
+
 # -- item 10: a lost sandbox releases what it held ------------------------------------------
 
 

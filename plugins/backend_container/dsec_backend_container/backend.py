@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dsec_backend_container.fsdiff import diff
 from dsec_backend_container.helper import Helper, compiler
 from dsec_backend_container.inits import Inits, exited, process_start
+from dsec_backend_container.inodes import InodeLimits
 from dsec_backend_container.layout import Meta, SandboxDir, Trash, delete_tree
 from dsec_backend_container.network import Egress
 from dsec_backend_container.overlay import apply
@@ -106,6 +107,12 @@ class ContainerConfig(BaseModel):
     pids: int = Field(1024, ge=8, description="default process limit")
     cpus: float | None = Field(None, gt=0, description="default CPU quota (None: shares only)")
     disk_mb: int = Field(10240, ge=16, description="default disk quota of a sandbox's files")
+    inodes: int = Field(
+        1_000_000, ge=64, description="default inode limit of a sandbox's writable layer"
+    )
+    inode_check_s: float = Field(
+        1.0, gt=0, description="how often sandboxes are held to their inode limits"
+    )
     upper_root: Path | None = Field(None, description="where writable layers go (local disk)")
     upper_fs_gb: float = Field(
         0,
@@ -178,6 +185,7 @@ class ContainerBackend(Backend):
         self._locks: dict[str, asyncio.Lock] = {}
         self._gc: asyncio.Task[None] | None = None
         self._watch_egress: asyncio.Task[None] | None = None
+        self._watch_inodes: asyncio.Task[None] | None = None
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -220,6 +228,7 @@ class ContainerBackend(Backend):
             UpperFs(self.root, ctx.state_dir / "sandboxes.btrfs", size).open
         )
         os.chmod(self.root, 0o700)
+        self.inode_limits = InodeLimits(self.fs)
         self.trash = Trash(self.root / ".trash", delete_tree(self.fs))
         self.helper = await asyncio.to_thread(Helper, ctx.state_dir / "bin")
         self.seccomp = write_profile(
@@ -252,11 +261,12 @@ class ContainerBackend(Backend):
             self.inits.watch(sandbox_id, pidfd)
         self._gc = asyncio.create_task(self._collect())
         self._watch_egress = asyncio.create_task(self._report_denied())
+        self._watch_inodes = asyncio.create_task(self._hold_inodes())
 
     async def close(self) -> None:
         """Sandboxes stay (a restarted edge adopts them); an empty cgroup parent, an unused
         egress bridge and the sandboxes' filesystem, if nothing is left on it, go."""
-        for task in (self._gc, self._watch_egress):
+        for task in (self._gc, self._watch_egress, self._watch_inodes):
             if task is not None:
                 task.cancel()
         self.inits.close()
@@ -288,6 +298,7 @@ class ContainerBackend(Backend):
             if pidfd is not None and meta.uid_base:
                 self.metas[meta.id] = meta
                 kept.append((meta.id, pidfd))
+                self._watch_inodes_of(meta, known=False)
                 if meta.address:
                     self.egress.adopt(meta.id, meta.address)
             else:
@@ -337,6 +348,30 @@ class ContainerBackend(Backend):
                         sandbox_id, "egress_denied", {"packets": new, "total": total}
                     )
             self._denied = counts
+
+    async def _hold_inodes(self) -> None:
+        """Every ``inode_check_s``: hold each sandbox to its inode limit (:mod:`.inodes`); a
+        sandbox that reaches it becomes a guard event ``inodes_exceeded``."""
+        while True:
+            await asyncio.sleep(self.config.inode_check_s)
+            try:
+                changes = await asyncio.to_thread(self.inode_limits.check)
+            except Exception:
+                log.exception("holding sandboxes to their inode limits failed")
+                continue
+            for ch in changes:
+                what = "full: its disk quota is closed" if ch.closed else "under again"
+                log.info("sandbox %s holds %d inodes of %d: %s", ch.sandbox_id, ch.inodes,
+                         ch.limit, what)  # fmt: skip
+                if ch.closed:
+                    await self.hooks.guard_event(
+                        ch.sandbox_id, "inodes_exceeded", {"inodes": ch.inodes, "limit": ch.limit}
+                    )
+
+    def _watch_inodes_of(self, meta: Meta, known: bool) -> None:
+        rw = SandboxDir(self.root, meta.id).rw
+        limit = meta.inodes or self.config.inodes
+        self.inode_limits.watch(meta.id, rw, limit, meta.disk_bytes, known)
 
     # -- sandboxes ---------------------------------------------------------------------------
 
@@ -399,6 +434,7 @@ class ContainerBackend(Backend):
                 ) from None
             self.metas[sandbox.id] = meta
             self.inits.watch(sandbox.id, pidfd)
+            self._watch_inodes_of(meta, known=True)
         return SandboxStatus(sandbox_id=sandbox.id, state="ready", layers=refs)
 
     def _layers_for(self, sandbox: EdgeSandbox) -> tuple[list[str], list[str], list[str]]:
@@ -433,6 +469,7 @@ class ContainerBackend(Backend):
                 network=spec.network, last_snapshot=chain[0] if chain else None,
                 uid_base=self.uids.claim(sd.path),
                 disk_bytes=(spec.limits.disk_mb or self.config.disk_mb) << 20,
+                inodes=spec.limits.inodes or self.config.inodes,
             )  # fmt: skip
             if chain:
                 self.snapshots.hold(chain[0], self._snap_holder(sandbox.id))
@@ -505,6 +542,7 @@ class ContainerBackend(Backend):
     ) -> None:
         """Release everything a sandbox has (or a failed create took). Idempotent."""
         self._kill_init(sd.id, pidfd)
+        self.inode_limits.forget(sd.id)
         holder = self._holder(sd.id)
         for digest in mounted if mounted is not None else (meta.layers if meta else []):
             self.store.release(digest, holder)
@@ -725,6 +763,7 @@ class ContainerBackend(Backend):
         sd = SandboxDir(self.root, meta.id)
         self._kill_init(meta.id, old)
         sd.fresh_upper(self.trash, self.fs, meta.disk_bytes)
+        self._watch_inodes_of(meta, known=True)
         mounts = self.store.mounted()  # its layers are; mount again what went behind its back
         layers = [mounts.get(d) or self.store.mount(d, self._holder(meta.id)) for d in meta.layers]
         pidfd = self._start_init(meta, sd, self.snapshots.deltas(chain) + layers)

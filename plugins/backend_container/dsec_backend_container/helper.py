@@ -31,6 +31,8 @@ SOURCE = Path(__file__).parent / "csrc" / "dsec-sandbox.c"
 UID_COUNT = 1 << 16
 #: after a command ends, how long output still in flight is waited for
 _DRAIN_S = 0.2
+#: after a kill, how long the helper may take to report before it is killed too
+_KILL_WAIT_S = 5.0
 
 
 def compiler() -> str | None:
@@ -207,6 +209,11 @@ async def _file_op(argv: list[str], pidfd: int, data: bytes, path: str) -> bytes
     word = text.split()
     if proc.returncode == 2 and len(word) >= 2 and word[0] == "error" and word[1].isdigit():
         code = int(word[1])
+        if code in (errno.EDQUOT, errno.ENOSPC):
+            raise errors.QuotaExceeded(
+                f"{path}: the sandbox's disk is full (Limits.disk_mb or Limits.inodes); "
+                "delete files in it, or create it with larger limits"
+            )
         cls = _FILE_ERRORS.get(code, errors.InvalidArgument)
         reason = {errno.EFBIG: f"larger than {MAX_FILE_BYTES} bytes",
                   errno.EINVAL: "not a regular file"}.get(code, os.strerror(code))  # fmt: skip
@@ -296,12 +303,13 @@ class _Run:
     async def _kill(self) -> None:
         try:
             await asyncio.to_thread(self.kill_all)
-        finally:
-            group = self._field("pid")  # in case kill_all failed: the process group at least
-            if group is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(group, signal.SIGKILL)
-            self.proc.kill()
+        finally:  # in case kill_all failed: the helper kills the command's group at least
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGUSR1)  # our child: its pid is not reused
+            try:
+                await asyncio.wait_for(asyncio.shield(self.ended), _KILL_WAIT_S)
+            except TimeoutError:
+                self.proc.kill()
 
     async def finish(
         self, stdin: bytes, timeout: float, started: float, user: str | None

@@ -56,6 +56,7 @@ class Meta(BaseModel):
     network: str = "none"
     uid_base: int = Field(0, description="the host uid of its root (its user namespace's range)")
     disk_bytes: int = Field(0, description="its quota on the node's disk")
+    inodes: int = Field(0, description="its inode limit (0: the backend's default)")
     init_pid: int = 0
     init_start: int = Field(0, description="the init's start time (clock ticks), against pid reuse")
 

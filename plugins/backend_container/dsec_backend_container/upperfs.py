@@ -4,7 +4,9 @@ quota (a btrfs qgroup limit on the bytes it references, metadata included).
 A sandbox that fills its quota gets ``EDQUOT`` ("Disk quota exceeded") inside, and nothing
 else is touched: the node's other sandboxes keep their room, and the host's own filesystem
 only ever sees one image file of bounded size. Every inode a sandbox makes costs it metadata
-bytes (about 350 measured), so a flood of empty files ends at the same limit.
+bytes (about 350 measured); btrfs has no inode quota, so :mod:`.inodes` counts them
+(:meth:`UpperFs.highest_inode`, :meth:`UpperFs.count_inodes`) and closes the quota
+(:meth:`UpperFs.set_limit`) of a sandbox past its inode limit.
 
 Where ``root`` is already on btrfs (an operator's disk), it is used as it is. Otherwise the
 filesystem is a sparse image file, made once (``mkfs.btrfs``) and mounted through a loop
@@ -38,9 +40,17 @@ _SNAP_DESTROY = 0x5000940F  # _IOW(15, struct btrfs_ioctl_vol_args)
 _INO_LOOKUP = 0xD0009412  # _IOWR(18, struct btrfs_ioctl_ino_lookup_args): 4096 bytes
 _QUOTA_CTL = 0xC0109428  # _IOWR(40, struct btrfs_ioctl_quota_ctl_args): cmd, status
 _QGROUP_LIMIT = 0x8030942B  # _IOR(43, struct btrfs_ioctl_qgroup_limit_args): 48 bytes
+_TREE_SEARCH_V2 = 0xC0709411  # _IOWR(17, struct btrfs_ioctl_search_args_v2): 112 bytes + buf
 _QUOTA_ENABLE = 1
 _LIMIT_MAX_RFER = 1
 _FIRST_FREE_OBJECTID = 256  # the inode number of every subvolume's root directory
+_LAST_FREE_OBJECTID = (1 << 64) - 256  # above: orphan items and other special objects
+_INODE_ITEM_KEY = 1
+#: struct btrfs_ioctl_search_key (tree 0: the subvolume of the fd), then buf_size
+_SEARCH_KEY = struct.Struct("7Q4I4QQ")
+_SEARCH_NR_ITEMS = 64  # offset of nr_items, which the kernel sets to the items it returned
+_SEARCH_HEADER = struct.Struct("3Q2I")  # transid, objectid, offset, type, len (then the item)
+_COUNT_BUF = 1 << 20
 
 
 def _vol_args(name: str) -> bytearray:
@@ -147,11 +157,7 @@ class UpperFs:
             os.close(parent)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            lookup = bytearray(struct.pack("QQ4080s", 0, _FIRST_FREE_OBJECTID, b""))
-            fcntl.ioctl(fd, _INO_LOOKUP, lookup)
-            subvolume = struct.unpack_from("Q", lookup)[0]
-            limit = struct.pack("QQQQQQ", subvolume, _LIMIT_MAX_RFER, limit_bytes, 0, 0, 0)
-            fcntl.ioctl(fd, _QGROUP_LIMIT, bytearray(limit))
+            self.set_limit(self.subvolume(fd), limit_bytes)
         except BaseException:
             os.close(fd)
             fd = -1
@@ -160,6 +166,59 @@ class UpperFs:
         finally:
             if fd >= 0:
                 os.close(fd)
+
+    @staticmethod
+    def subvolume(fd: int) -> int:
+        """The id of the subvolume open as ``fd``."""
+        lookup = bytearray(struct.pack("QQ4080s", 0, _FIRST_FREE_OBJECTID, b""))
+        fcntl.ioctl(fd, _INO_LOOKUP, lookup)
+        return struct.unpack_from("Q", lookup)[0]
+
+    def set_limit(self, subvolume: int, limit_bytes: int) -> None:
+        """Let ``subvolume`` reference at most ``limit_bytes``. Asked through the filesystem's
+        root, whose transaction this is: one through a subvolume past its limit would fail
+        for want of room in it (EDQUOT)."""
+        limit = struct.pack("QQQQQQ", subvolume, _LIMIT_MAX_RFER, limit_bytes, 0, 0, 0)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.ioctl(fd, _QGROUP_LIMIT, bytearray(limit))
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def highest_inode(fd: int, known: int = _FIRST_FREE_OBJECTID) -> int:
+        """The highest inode number in use in the subvolume open as ``fd``, searched upwards
+        from ``known`` (one in use, or the root's): a few tree searches, each O(log n).
+
+        btrfs gives a subvolume's inodes increasing numbers and never reuses one while it is
+        mounted, so no more than ``highest - known`` inodes were made since ``known`` was the
+        highest."""
+        if not _any_from(fd, known + 1):
+            return known
+        low, step = known + 1, 1  # low is in use; find a number above it that is not
+        while _any_from(fd, low + step):
+            low, step = low + step, step * 2
+        high = low + step  # not in use, nor anything above it
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if _any_from(fd, mid) else (low, mid)
+        return low
+
+    @staticmethod
+    def count_inodes(fd: int) -> int:
+        """How many inodes the subvolume open as ``fd`` holds (its tree searched: ~1 µs
+        each)."""
+        total, start = 0, _FIRST_FREE_OBJECTID
+        while True:
+            n, buf = _search(fd, start, _INODE_ITEM_KEY, _COUNT_BUF >> 5, _COUNT_BUF)
+            if not n:
+                return total
+            offset, last = _SEARCH_KEY.size, start
+            for _ in range(n):
+                _, last, _, kind, length = _SEARCH_HEADER.unpack_from(buf, offset)
+                offset += _SEARCH_HEADER.size + length
+                total += kind == _INODE_ITEM_KEY
+            start = last + 1
 
     def delete(self, path: Path) -> None:
         """Delete the subvolume at ``path`` with all it holds (the kernel frees its blocks in
@@ -179,3 +238,19 @@ class UpperFs:
         except FileNotFoundError:
             return False
         return st.st_ino == _FIRST_FREE_OBJECTID and os.path.isdir(path)
+
+
+def _search(fd: int, start: int, kind: int | None, items: int, size: int) -> tuple[int, bytearray]:
+    """Search the subvolume's tree from object ``start`` (items of ``kind`` only, or of any
+    kind): (items returned, the buffer holding them after the search key)."""
+    low, high = (kind, kind) if kind is not None else (0, 255)
+    key = _SEARCH_KEY.pack(0, start, _LAST_FREE_OBJECTID, 0, (1 << 64) - 1, 0, (1 << 64) - 1,
+                           low, high, items, 0, 0, 0, 0, 0, size)  # fmt: skip
+    buf = bytearray(key) + bytes(size)
+    fcntl.ioctl(fd, _TREE_SEARCH_V2, buf)
+    return struct.unpack_from("I", buf, _SEARCH_NR_ITEMS)[0], buf
+
+
+def _any_from(fd: int, objectid: int) -> bool:
+    """Whether any item of object ``objectid`` or a higher ordinary one exists."""
+    return _search(fd, objectid, None, 1, 4096)[0] > 0

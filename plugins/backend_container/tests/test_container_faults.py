@@ -16,7 +16,7 @@ from dsec_kernel import errors
 from dsec_kernel.backend import ExecCall, SandboxRef
 from dsec_kernel.conformance import started
 from dsec_kernel.storage import open_store
-from dsec_kernel.wire import EdgeSandbox, Env, SandboxSpec
+from dsec_kernel.wire import EdgeSandbox, Env, SandboxSpec, WriteFileRequest
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -128,6 +128,57 @@ async def test_a_sandbox_over_its_disk_quota_fails_alone(backend):
     finally:
         for s in (sb, other):
             await backend.destroy(SandboxRef(sandbox_id=s.id))
+
+
+async def test_a_sandbox_at_its_inode_limit_makes_no_more_until_it_deletes(
+    make_config, tmp_path, monkeypatch
+):
+    """Limits.inodes holds inside: once a look finds the sandbox at its limit, making a file
+    fails (EDQUOT) in the sandbox and through write_file (QuotaExceeded), a guard event says
+    so, the neighbour goes on, and deleting files gives the room back."""
+    config = make_config(inode_check_s=0.05)
+    async with started(ContainerBackend(config), tmp_path) as b:
+        events: list[tuple[str, str, dict]] = []
+
+        async def guard_event(sandbox_id: str, kind: str, detail: dict) -> None:
+            events.append((sandbox_id, kind, detail))
+
+        monkeypatch.setattr(b.hooks, "guard_event", guard_event)
+        sb, other = new(Env(base="busybox:1")), new(Env(base="busybox:1"))
+        sb.spec.limits.inodes = other.spec.limits.inodes = 3000
+        await b.create(sb)
+        await b.create(other)
+        try:
+            await _inode_flood(b, sb.id, other.id, events)
+        finally:
+            for s in (sb, other):
+                await b.destroy(SandboxRef(sandbox_id=s.id))
+
+
+async def _inode_flood(b: ContainerBackend, sb: str, other: str, events: list) -> None:
+    async def sh(sid: str, script: str):
+        argv = ["/bin/sh", "-c", script]
+        call = ExecCall(sandbox_id=sid, argv=argv, timeout_s=120, max_output_bytes=1 << 16)
+        return await b.exec(call)
+
+    # (true: a failed redirection of a special builtin such as ':' ends the shell)
+    flood = "mkdir /f; i=0; while [ $i -lt 99999 ] && true > /f/$i; do i=$((i+1)); done; echo $i"
+    r = await sh(sb, flood)
+    assert r.stdout.strip().isdigit(), r
+    made = int(r.stdout)
+    assert 3000 <= made < 20_000 and b"quota" in r.stderr.lower(), (made, r.stderr[-200:])
+    assert any(i == sb and k == "inodes_exceeded" for i, k, _ in events), events
+    with pytest.raises(errors.QuotaExceeded, match="disk is full"):
+        await b.write_file(WriteFileRequest(sandbox_id=sb, path="/x", data=b"x"))
+    r = await sh(other, "mkdir /f && cd /f && seq 1 2000 | xargs touch && ls | wc -l")
+    assert r.stdout == b"2000\n", r
+    await sh(sb, "rm -rf /f")
+    for _ in range(200):  # counted again within MAX_SKIP looks
+        if (await sh(sb, "touch /again && echo ok")).stdout == b"ok\n":
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the quota was not reopened after the files went")
 
 
 async def test_a_full_node_disk_fails_the_sandbox_not_the_node(make_config, tmp_path):

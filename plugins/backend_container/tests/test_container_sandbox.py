@@ -204,6 +204,29 @@ async def test_timeout_kills_the_process_group_and_background_output_does_not_bl
     assert r.stdout == b"started\n" and time.monotonic() - t < 5
 
 
+async def test_a_timeout_kills_through_the_helper_when_the_cgroup_kill_fails(backend, box):
+    """The fallback kill goes through the helper (our own child), which kills the command's
+    group while the command is still unreaped: the host never signals a group by number."""
+
+    def broken() -> None:
+        raise OSError("the freezer failed")
+
+    pidfd = os.dup(backend.inits.pidfd(box))
+    try:
+        t = time.monotonic()
+        with pytest.raises(OSError, match="freezer failed"):
+            await backend.helper.exec(
+                pidfd, ["/bin/sh", "-c", "sleep 31 & sleep 31; wait"], cgroups=[],
+                kill_all=broken, env={"PATH": "/bin"}, cwd="/", stdin=b"", timeout=0.5,
+                max_output=1024, seccomp=None,
+            )  # fmt: skip
+        assert time.monotonic() - t < 5
+    finally:
+        os.close(pidfd)
+    r = await sh(backend, box, "ps -o args | grep -c '^sleep 31' || true")
+    assert r.stdout == b"0\n", r
+
+
 async def test_idle_sandboxes_cost_little_host_memory(backend):
     ids = ["sb-" + os.urandom(8).hex() for _ in range(20)]
     for sid in ids:

@@ -35,9 +35,11 @@
  *     sandbox's own /etc/passwd, as its root), keeps a container capability set (root only),
  *     enters --cwd, sets RLIMIT_FSIZE, no_new_privs and the seccomp program, and execs ARGV
  *     with the environment read from --env-fd (NAME=VALUE\0...; nothing else). On
- *     --status-fd it writes "pid <host pid>\n" when the command starts, "status <wait
- *     status>\n" when it ends, "lost\n" if the sandbox is gone, "nouser\n" if --user is
- *     unknown. Forwards SIGTERM/SIGINT/SIGHUP to the command's process group.
+ *     --status-fd it writes "status <wait status>\n" when the command ends, "lost\n" if
+ *     the sandbox is gone, "nouser\n" if --user is unknown. Forwards SIGTERM/SIGINT/SIGHUP
+ *     to the command's process group, and turns SIGUSR1 into SIGKILL for it: the host
+ *     signals this helper, never a process group by number. The command is reaped only
+ *     after forwarding has stopped, so the group's id cannot name anyone else meanwhile.
  *
  *   dsec-sandbox read --pidfd N --max BYTES PATH
  *   dsec-sandbox write --pidfd N --mode MODE --size BYTES PATH   (the data on stdin)
@@ -478,8 +480,9 @@ static int cmd_init(int argc, char **argv) {
 
 static pid_t child = -1;
 
+/* the command's group, while the command is unreaped (its id then cannot be reused) */
 static void forward(int sig) {
-    if (child > 0) kill(-child, sig);
+    if (child > 0) kill(-child, sig == SIGUSR1 ? SIGKILL : sig);
 }
 
 static struct sock_filter prog[4096];
@@ -629,14 +632,22 @@ static int cmd_exec(int argc, char **argv) {
         fprintf(stderr, "dsec: cannot run %s: %s\n", cmd[0], strerror(errno));
         _exit(errno == ENOENT ? 127 : 126);
     }
-    status_line(status_fd, "pid %ld\n", child);
+    static const int forwarded[] = {SIGTERM, SIGINT, SIGHUP, SIGUSR1};
     struct sigaction sa = {0};
     sa.sa_handler = forward;
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGHUP, &sa, NULL);
+    sigset_t mask;
+    sigemptyset(&mask);
+    for (size_t k = 0; k < sizeof forwarded / sizeof forwarded[0]; k++) {
+        sigaction(forwarded[k], &sa, NULL);
+        sigaddset(&mask, forwarded[k]);
+    }
+    siginfo_t info;
+    while (waitid(P_PID, (id_t)child, &info, WEXITED | WNOWAIT) < 0) /* ended: not reaped */
+        if (errno != EINTR) die("wait");
+    sigprocmask(SIG_BLOCK, &mask, NULL); /* no more forwarding, then the id may go */
+    child = -1;
     int status;
-    while (waitpid(child, &status, 0) < 0)
+    while (waitpid((pid_t)info.si_pid, &status, 0) < 0)
         if (errno != EINTR) die("wait");
     status_line(status_fd, "status %ld\n", status);
     return 0;
