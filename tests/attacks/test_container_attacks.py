@@ -346,6 +346,27 @@ async def test_an_inode_flood_stops_at_the_inode_limit(platform, attacker, victi
         await victim.destroy([neighbour])
 
 
+async def test_long_walks_of_one_tenant_hold_up_no_one_else(platform, attacker, victim, attack):
+    """A tenant asking for fs_diffs of big trees in many sandboxes at once gets one walk at a
+    time on the node's lanes; the victim's command waits for none of them."""
+    sbs = await attacker.create(count=8, backend="container", env=BUSYBOX)
+    neighbour = await one(victim)
+    try:
+        await attacker.exec_many(sbs, "mkdir /m && cd /m && seq 1 40000 | xargs touch", timeout=300)
+        diffs = [asyncio.ensure_future(sb.fs_diff()) for sb in sbs]
+        await asyncio.sleep(0.3)  # every diff asked for
+        r = await neighbour.exec("echo hi")
+        done = sum(d.done() for d in diffs)
+        assert r.stdout == b"hi\n" and done <= 1, done  # 4 of 8 on the default executor
+        sizes = {len((await d).added) for d in diffs}
+        assert sizes == {40_001}, sizes
+        attack("fs_diffs of 40,000 files in 8 sandboxes at once, then the victim's exec",
+               "container", f"answered after {done} of 8: one walk per tenant")  # fmt: skip
+    finally:
+        await attacker.destroy(sbs)
+        await victim.destroy([neighbour])
+
+
 # -- item 10: a lost sandbox releases what it held ------------------------------------------
 
 

@@ -34,6 +34,7 @@ from dsec_backend_container.fsdiff import diff
 from dsec_backend_container.helper import Helper, compiler
 from dsec_backend_container.inits import Inits, exited, process_start
 from dsec_backend_container.inodes import InodeLimits
+from dsec_backend_container.lanes import Lanes
 from dsec_backend_container.layout import Meta, SandboxDir, Trash, delete_tree
 from dsec_backend_container.network import Egress
 from dsec_backend_container.overlay import apply
@@ -112,6 +113,9 @@ class ContainerConfig(BaseModel):
     )
     inode_check_s: float = Field(
         1.0, gt=0, description="how often sandboxes are held to their inode limits"
+    )
+    lanes: int = Field(
+        4, ge=1, description="threads for long work tenants ask for (one per tenant at a time)"
     )
     upper_root: Path | None = Field(None, description="where writable layers go (local disk)")
     upper_fs_gb: float = Field(
@@ -229,6 +233,7 @@ class ContainerBackend(Backend):
         )
         os.chmod(self.root, 0o700)
         self.inode_limits = InodeLimits(self.fs)
+        self.lanes = Lanes(self.config.lanes)
         self.trash = Trash(self.root / ".trash", delete_tree(self.fs))
         self.helper = await asyncio.to_thread(Helper, ctx.state_dir / "bin")
         self.seccomp = write_profile(
@@ -270,6 +275,7 @@ class ContainerBackend(Backend):
             if task is not None:
                 task.cancel()
         self.inits.close()
+        await asyncio.to_thread(self.lanes.close)
         await asyncio.to_thread(self.trash.close)
         await asyncio.to_thread(self.egress.close)
         await asyncio.to_thread(self._drop_swap)
@@ -586,12 +592,12 @@ class ContainerBackend(Backend):
     async def pause(self, ref: SandboxRef) -> PauseReport:
         async with self._lock(ref.sandbox_id):
             meta = self._meta(ref.sandbox_id)
-            return await asyncio.to_thread(self._pause, meta.id)
+            return await self.lanes.run(meta.tenant, self._pause, meta.id)
 
     async def prestage(self, layers: list[str], tenant: str | None = None) -> list[str]:
         """Mount each layer (held until the backend closes) and walk its tree, so its
         metadata is read from the store now rather than by the first sandbox."""
-        return await asyncio.to_thread(self._prestage, layers, tenant)
+        return await self.lanes.run(tenant or "", self._prestage, layers, tenant)
 
     def _prestage(self, layers: list[str], tenant: str | None) -> list[str]:
         staged = []
@@ -699,7 +705,7 @@ class ContainerBackend(Backend):
     async def snapshot(self, request: SnapshotRequest) -> SnapshotInfo:
         async with self._lock(request.sandbox_id):
             meta = self._meta(request.sandbox_id)
-            snap = await asyncio.to_thread(self._snapshot, meta, request.keep)
+            snap = await self.lanes.run(meta.tenant, self._snapshot, meta, request.keep)
         return SnapshotInfo(
             id=snap.id, sandbox_id=snap.sandbox_id, tenant=snap.tenant, backend=self.name,
             parent=snap.parent, depth=snap.depth, created_at=snap.created_at, bytes=snap.bytes,
@@ -779,7 +785,7 @@ class ContainerBackend(Backend):
 
     async def fs_diff(self, request: FsDiffRequest) -> FsDiff:
         meta = self._meta(request.sandbox_id)
-        return await asyncio.to_thread(self._fs_diff, meta, request.since)
+        return await self.lanes.run(meta.tenant, self._fs_diff, meta, request.since)
 
     def _fs_diff(self, meta: Meta, since: str | None) -> FsDiff:
         sd = SandboxDir(self.root, meta.id)
@@ -795,7 +801,7 @@ class ContainerBackend(Backend):
         return diff(now, then, env)
 
     async def publish(self, request: PublishRequest) -> LayerInfo:
-        return await asyncio.to_thread(self._publish, request)
+        return await self.lanes.run(request.tenant, self._publish, request)
 
     def _publish(self, request: PublishRequest) -> LayerInfo:
         snaps = self.snapshots.chain(request.snapshot_id, request.tenant)
