@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dsec_kernel import linux
@@ -93,17 +94,27 @@ class Group:
         (self.dirs[controller] / name).write_text(str(value))
 
     def kill(self) -> None:
-        """SIGKILL every process in the group (in each hierarchy)."""
-        for d in self.dirs.values():
-            try:
-                pids = (d / "cgroup.procs").read_text().split()
-            except FileNotFoundError:
-                continue
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        """SIGKILL every process in the group and its descendants (in each hierarchy). With a
+        freezer among its hierarchies the group is frozen meanwhile, so no process in it can
+        fork, or exit and have its number taken by another, between being listed and being
+        killed; without one, a number is signalled as listed."""
+        freezer = self.dirs.get("freezer")
+        frozen = freezer is not None and _set_frozen(freezer, True)
+        try:
+            for d in self.dirs.values():
+                for group in [d, *(p for p in d.rglob("*") if p.is_dir())]:
+                    try:
+                        pids = (group / "cgroup.procs").read_text().split()
+                    except FileNotFoundError:
+                        continue
+                    for pid in pids:
+                        try:
+                            os.kill(int(pid), signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+        finally:
+            if frozen:  # the killed die once thawed
+                _set_frozen(freezer, False)
 
     def remove(self, timeout: float = 5.0, kill: bool = False) -> None:
         """Remove the group and its children once they are empty (waits up to ``timeout``).
@@ -113,11 +124,11 @@ class Group:
             if not d.exists():
                 continue
             for child in sorted((p for p in d.rglob("*") if p.is_dir()), reverse=True):
-                _rmdir(child, deadline, kill)
-            _rmdir(d, deadline, kill)
+                _rmdir(child, deadline, self.kill if kill else None)
+            _rmdir(d, deadline, self.kill if kill else None)
 
 
-def _rmdir(path: Path, deadline: float, kill: bool) -> None:
+def _rmdir(path: Path, deadline: float, kill: Callable[[], None] | None) -> None:
     while True:
         try:
             os.rmdir(path)
@@ -127,6 +138,22 @@ def _rmdir(path: Path, deadline: float, kill: bool) -> None:
         except OSError:  # EBUSY: processes are still leaving
             if time.monotonic() > deadline:
                 raise
-            if kill:
-                Group({"": path}).kill()
+            if kill is not None:
+                kill()
             time.sleep(0.01)
+
+
+def _set_frozen(freezer: Path, frozen: bool, timeout: float = 10.0) -> bool:
+    """Freeze (waiting until every task is, at most ``timeout``) or thaw a v1 freezer group;
+    False if there is no such group."""
+    state = "FROZEN" if frozen else "THAWED"
+    try:
+        (freezer / "freezer.state").write_text(state)
+        deadline = time.monotonic() + timeout
+        while frozen and (freezer / "freezer.state").read_text().strip() != state:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+    except FileNotFoundError:
+        return False
+    return True

@@ -663,7 +663,7 @@ class ContainerBackend(Backend):
                 pidfd,
                 call.argv,
                 cgroups=[*cgroups, own.dirs["freezer"] / "cgroup.procs"],
-                kill_all=lambda: _kill_frozen(own),
+                kill_all=own.kill,  # frozen meanwhile: none can fork
                 env={**DEFAULT_ENV, **call.env},
                 cwd=call.cwd or "/",
                 stdin=call.stdin,
@@ -838,11 +838,3 @@ def _raise_open_files_limit() -> None:
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
-
-def _kill_frozen(group: Group) -> None:
-    """SIGKILL every process of ``group``, frozen first so none can fork meanwhile."""
-    freeze(group, True)
-    try:
-        group.kill()
-    finally:
-        freeze(group, False)
