@@ -13,12 +13,15 @@ import socket
 import struct
 
 __all__ = [
+    "CLONE_NEWCGROUP",
     "CLONE_NEWIPC",
     "CLONE_NEWNET",
     "CLONE_NEWNS",
     "CLONE_NEWPID",
     "CLONE_NEWUTS",
     "MNT_DETACH",
+    "MOUNT_ATTR_NODEV",
+    "MOUNT_ATTR_NOEXEC",
     "MOUNT_ATTR_NOSUID",
     "MOUNT_ATTR_RDONLY",
     "MS_BIND",
@@ -26,6 +29,7 @@ __all__ = [
     "MS_NOEXEC",
     "MS_NOSUID",
     "MS_PRIVATE",
+    "MS_RDONLY",
     "MS_REC",
     "load_seccomp",
     "loopback_up",
@@ -42,11 +46,13 @@ __all__ = [
 ]
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 
+MS_RDONLY = 0x1
 MS_REMOUNT = 0x20
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
@@ -58,6 +64,8 @@ MNT_DETACH = 0x2
 
 MOUNT_ATTR_RDONLY = 0x1
 MOUNT_ATTR_NOSUID = 0x2
+MOUNT_ATTR_NODEV = 0x4
+MOUNT_ATTR_NOEXEC = 0x8
 _AT_FDCWD = -100
 _AT_RECURSIVE = 0x8000
 _SYS_MOUNT_SETATTR = 442  # x86_64 and aarch64 share the new-syscall numbers

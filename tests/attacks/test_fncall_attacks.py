@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -258,6 +259,99 @@ async def test_no_platform_secret_within_reach(platform, victim, attacker, attac
     assert not leaked, "a call read a platform secret"
     attack("look for NATS URLs, passwords and tokens: /proc, memory, state, socket, NATS",
            "fncall", f"nothing: {len(found)} candidate strings, none a secret")  # fmt: skip
+
+
+# -- the view holds nothing of the host's but its programs; no terminal within reach --------
+
+#: look for the planted files by their host paths and through every magic link to a working
+#: directory or root; list / and /dev
+FIND_HOST_FILES = r"""
+import json, os, sys
+name, paths = sys.argv[1], sys.argv[2:]
+found = []
+for p in [*paths, *(f"{d}/{name}" for d in ("/proc/self/cwd", "/proc/1/cwd", "/proc/self/root",
+                                            "/proc/1/root", ".", "/", "/tmp", "/run"))]:
+    try:
+        found.append((p, open(p).read()))
+    except OSError:
+        pass
+print(json.dumps({"found": found, "root": sorted(os.listdir("/")),
+                  "dev": sorted(os.listdir("/dev")), "cwd": sorted(os.listdir("."))}))
+"""
+
+
+async def test_the_view_holds_only_the_hosts_programs(platform, attacker, attack, tmp_path):
+    """Files planted on the host outside the view's paths (the state directory, the edge's
+    working directory, /tmp, /var/tmp, /root, /opt) are out of reach, by their paths and
+    through /proc/*/cwd and /proc/*/root, with the call's cwd set to those magic links too."""
+    secret = "dsec-marker-" + os.urandom(8).hex()
+    places = [platform.cluster.state_dir, Path.cwd(), Path("/tmp"), Path("/var/tmp"),
+              Path("/root"), Path("/opt")]  # fmt: skip
+    planted = [d / f".{secret}" for d in places if d.is_dir()]
+    for f in planted:
+        f.write_text(secret)
+    [sb] = await attacker.create(count=1, backend="fncall")
+    try:
+        code = f"import sys; sys.argv[1:] = {[f'.{secret}', *map(str, planted)]!r}\n"
+        r = await attacker.fncall(code + FIND_HOST_FILES, timeout=30)
+        seen = [json.loads(r.stdout)]
+        for cwd in ("/proc/self/cwd", "/proc/1/cwd", "/proc/self/root"):
+            r = await sb.exec(["python3", "-c", code + FIND_HOST_FILES], cwd=cwd, timeout=30)
+            seen.append(json.loads(r.stdout))
+        assert all(not s["found"] for s in seen), seen
+        allowed = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc",
+                   "sys", "tmp", "run", "root"}  # (root: only the interpreter's tree, if there)
+        assert set(seen[0]["root"]) <= allowed, seen[0]["root"]
+        assert set(seen[0]["dev"]) == {"fd", "full", "null", "ptmx", "pts", "random", "shm",
+                                       "stderr", "stdin", "stdout", "tty", "urandom", "zero"}
+        attack("read host files outside the view (by path, /proc/*/cwd, /proc/*/root, cwd=)",
+               "fncall", f"none of {len(planted)} planted files reached; / holds "
+               f"{len(seen[0]['root'])} entries")  # fmt: skip
+    finally:
+        await attacker.destroy([sb])
+        for f in planted:
+            f.unlink(missing_ok=True)
+
+
+#: the operator's terminal: none controls the call; a terminal of the call's own takes no
+#: injected input (TIOCSTI, also with high bits set in the command), and ptys are its own
+TERMINAL = r"""
+import errno, fcntl, json, os, termios
+out = {}
+try:
+    os.open("/dev/tty", os.O_RDWR)
+    out["/dev/tty"] = "opened"
+except OSError as exc:
+    out["/dev/tty"] = errno.errorcode[exc.errno]
+master, slave = os.openpty()
+out["pty"] = os.ttyname(slave)
+for name, cmd in (("TIOCSTI", termios.TIOCSTI), ("TIOCSTI|1<<32", termios.TIOCSTI | 1 << 32)):
+    try:
+        fcntl.ioctl(slave, cmd, b"x")
+        out[name] = "injected"
+    except OSError as exc:
+        out[name] = errno.errorcode[exc.errno]
+ptys = []
+try:
+    while len(ptys) < 200:
+        ptys.append(os.openpty())
+except OSError as exc:
+    out["ptys"] = f"{len(ptys) + 1} then {errno.errorcode[exc.errno]}"
+print(json.dumps(out))
+"""
+
+
+async def test_no_terminal_to_type_into(attacker, attack):
+    host_ptys = len(os.listdir("/dev/pts"))
+    r = await attacker.fncall(TERMINAL, timeout=30)
+    assert r.exit_code == 0, r
+    out = json.loads(r.stdout)
+    assert out["/dev/tty"] == "ENXIO", out  # no controlling terminal
+    assert out["TIOCSTI"] == out["TIOCSTI|1<<32"] == "EPERM", out
+    assert out["pty"] == "/dev/pts/0" and out["ptys"].endswith("ENOSPC"), out  # its own devpts
+    assert len(os.listdir("/dev/pts")) == host_ptys
+    attack("type into the operator's terminal (TIOCSTI), exhaust the host's ptys", "fncall",
+           f"no controlling tty; TIOCSTI EPERM; its own devpts ({out['ptys']})")  # fmt: skip
 
 
 # -- the classic escapes ---------------------------------------------------------------------

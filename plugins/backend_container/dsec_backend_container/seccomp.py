@@ -28,6 +28,8 @@ DENIED = (
     "clock_adjtime", "adjtimex", "process_vm_writev",
 )  # fmt: skip
 
+#: ioctls refused: TIOCSTI (typing into a terminal) and TIOCLINUX (the console's)
+_IOCTLS = (0x5412, 0x541C)
 #: CLONE_NEWNS, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWCGROUP
 _NAMESPACE_FLAGS = (0x00020000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
                     0x02000000)  # fmt: skip
@@ -44,6 +46,8 @@ def write_profile(path: Path, extra: list[str]) -> Path:
     for flag in _NAMESPACE_FLAGS:
         f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for cmd in _IOCTLS:  # the kernel reads the command as 32 bits: compare only those
+        f.add_rule(sc.ERRNO(errno.EPERM), "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, cmd))
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as out:
         f.export_bpf(out)

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 import dsec_backend_fncall
 import dsec_kernel
@@ -53,6 +53,8 @@ __all__ = ["FncallBackend", "FncallConfig"]
 
 log = logging.getLogger(__name__)
 _ID = re.compile(SANDBOX_ID_PATTERN)
+#: what of the host calls see by default: its programs, libraries and /etc
+VIEW_PATHS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr", "/etc")
 
 
 class FncallConfig(BaseModel):
@@ -74,13 +76,22 @@ class FncallConfig(BaseModel):
         200_000, ge=1000, description="first uid calls run as; uid_base - 1 is their group"
     )
     uid_count: int = Field(4096, ge=16, description="uids reserved for calls")
-    mask_paths: list[str] = Field(
-        default_factory=lambda: ["/root", "/home", "/run", "/var/tmp", "/srv", "/mnt", "/media"],
-        description="directories calls see empty",
+    view_paths: list[str] = Field(
+        default_factory=lambda: list(VIEW_PATHS),
+        description="host paths calls see, read-only (with the interpreter's tree); nothing "
+        "else of the host is in their view",
     )
     loopback: bool = Field(False, description="bring lo up in each call's network namespace")
     cgroups: bool = Field(True, description="limit each call's memory and processes by cgroup")
     startup_timeout_s: float = Field(30.0, gt=0)
+
+    @field_validator("view_paths")
+    @classmethod
+    def _absolute_below_root(cls, paths: list[str]) -> list[str]:
+        for path in paths:
+            if not path.startswith("/") or os.path.normpath(path) != path or path == "/":
+                raise ValueError(f"{path!r}: view paths are absolute, normal and not /")
+        return paths
 
 
 def _kernel_at_least(major: int, minor: int) -> bool:
@@ -136,7 +147,7 @@ class FncallBackend(Backend):
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
         self.socket = ctx.state_dir / "agent.sock"
-        code_dirs = sorted(
+        code_dirs = sorted(  # (the zygote imports all it runs before it enters the view)
             {
                 str(Path(m.__file__).resolve().parent.parent)
                 for m in (dsec_kernel, dsec_backend_fncall)
@@ -149,8 +160,9 @@ class FncallBackend(Backend):
         self.supervisor_config = SupervisorConfig(
             socket=str(self.socket),
             files_root=str(self.root),
-            masks=[*self.config.mask_paths, str(ctx.state_dir)],
-            keep=sorted(prefixes | set(code_dirs)),
+            view_paths=self.config.view_paths,
+            keep=sorted(prefixes),
+            hide=[str(ctx.state_dir.resolve())],
             bpf_hex=compile_profile(ctx.hooks.guard_syscalls(self.name)).hex(),
             sys_path=code_dirs,
             **self.config.model_dump(include=set(shared)),
@@ -181,6 +193,8 @@ class FncallBackend(Backend):
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
+                cwd="/",  # never the edge's working directory, nor its terminal
+                start_new_session=True,
                 preexec_fn=lambda: die_with_parent(signal.SIGTERM),
             )
         if self.agent is None:

@@ -117,8 +117,9 @@ class Pool:
                     "tmp_size_mb",
                     "uid_base",
                     "uid_count",
-                    "masks",
+                    "view_paths",
                     "keep",
+                    "hide",
                     "bpf_hex",
                     "sys_path",
                     "hostname",
@@ -130,11 +131,13 @@ class Pool:
             "supervisor_pid": os.getpid(),
         }
         parent.send(json.dumps(zcfg).encode())  # read first, by BOOT
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(  # a session of its own, no terminal, cwd /
             [sys.executable, "-S", "-I", "-c", BOOT, str(child.fileno())],
             pass_fds=[child.fileno()],
             stdin=subprocess.DEVNULL,
             env=ZYGOTE_ENV,
+            cwd="/",
+            start_new_session=True,
             preexec_fn=lambda: die_with_parent(signal.SIGKILL),
         )
         child.close()

@@ -32,6 +32,8 @@ DENIED = (
     "adjtimex",
 )  # fmt: skip
 
+#: ioctls refused: TIOCSTI (typing into a terminal) and TIOCLINUX (the console's)
+_IOCTLS = (0x5412, 0x541C)
 #: CLONE_NEWNS, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWCGROUP
 _NAMESPACE_FLAGS = (0x00020000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
                     0x02000000)  # fmt: skip
@@ -52,6 +54,8 @@ def compile_profile(extra: list[str]) -> bytes:
     for flag in _NAMESPACE_FLAGS:
         f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for cmd in _IOCTLS:  # the kernel reads the command as 32 bits: compare only those
+        f.add_rule(sc.ERRNO(errno.EPERM), "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, cmd))
     fd = os.memfd_create("dsec-seccomp")
     try:
         with os.fdopen(fd, "w+b", closefd=False) as out:

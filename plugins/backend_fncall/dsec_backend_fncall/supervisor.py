@@ -68,8 +68,9 @@ class SupervisorConfig(BaseModel):
     open_files: int = Field(1024, ge=16)
     uid_base: int = Field(200_000, ge=1000)
     uid_count: int = Field(4096, ge=16)
-    masks: list[str]
+    view_paths: list[str]
     keep: list[str]
+    hide: list[str]
     bpf_hex: str
     sys_path: list[str]
     hostname: str = "sandbox"

@@ -39,6 +39,8 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
              signal.SIGUSR2)  # fmt: skip
 #: exit status of a call that could not be started
 CANNOT_START = 125
+#: pseudo-terminals one call may open (in a devpts of its own)
+PTYS = 64
 
 
 def send_frame(sock: socket.socket, msg: dict) -> None:
@@ -77,6 +79,7 @@ def worker_main(
     """
     status = CANNOT_START << 8
     try:
+        os.setsid()  # no controlling terminal, whatever the zygote's ancestry had
         if not urgent:  # refilling the pool never competes with the calls being served
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         linux.set_pdeathsig(signal.SIGKILL)
@@ -176,11 +179,14 @@ def _close_fds_except(keep: set[int]) -> None:
 
 
 def _prepare_namespaces(cfg: dict) -> None:
-    """Enter new namespaces and, still root, mount a private /tmp, /dev/shm and /proc."""
+    """Enter new namespaces and, still root, mount a private /tmp, /dev/shm, /dev/pts and
+    /proc."""
     linux.unshare(linux.CLONE_NEWNS | linux.CLONE_NEWNET | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS)
     fl = linux.MS_NOSUID | linux.MS_NODEV
     linux.mount("tmpfs", "/tmp", "tmpfs", fl, f"mode=1777,size={cfg['tmp_size_mb']}m")
     linux.mount("tmpfs", "/dev/shm", "tmpfs", fl, "mode=1777,size=16m")
+    linux.mount("devpts", "/dev/pts", "devpts", linux.MS_NOSUID | linux.MS_NOEXEC,
+                f"newinstance,ptmxmode=0666,mode=0620,max={PTYS}")  # fmt: skip
     linux.mount("proc", "/proc", "proc", fl | linux.MS_NOEXEC)
     linux.sethostname(cfg["hostname"])
     if cfg["loopback"]:
@@ -220,6 +226,7 @@ def _confine(cfg: dict, spec: dict, uid: int) -> None:
         (resource.RLIMIT_CORE, 0),
     ):
         resource.setrlimit(res, (value, value))
+    linux.unshare(linux.CLONE_NEWCGROUP)  # its cgroup is its /: no host cgroup path shows
     linux.set_no_new_privs()
     linux.load_seccomp(cfg["bpf"])
     os.setgroups([])

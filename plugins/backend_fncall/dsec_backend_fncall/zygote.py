@@ -1,10 +1,11 @@
 """The zygote: a minimal interpreter that forks pre-isolated workers, one per call.
 
 Runs as ``python -S -I`` (standard library only, so forks are cheap) in a mount namespace of
-its own that holds the *sandbox view*: the host root read-only and nosuid, with private
-directories (``/root``, ``/home``, ``/run``...) hidden under empty tmpfs, the interpreter's own
-tree bound back, and the sandboxes' directory bound at ``/run/dsec-files`` (mode 0700: a call,
-running as its own unprivileged uid, sees only its own sandbox's files, through ``/tmp``).
+its own whose root is the *sandbox view* (:func:`build_view`): only the host's programs,
+libraries and ``/etc``, the interpreter's own tree and the code, read-only; a ``/dev`` of its
+own; the sandboxes' directory at ``/run/dsec-files`` (mode 0700: a call, running as its own
+unprivileged uid, sees only its own sandbox's files, through ``/tmp``). Nothing else of the
+host is in it: what is not named is not there.
 
 Protocol with the supervisor, over a SOCK_SEQPACKET socket (one JSON message each)::
 
@@ -30,6 +31,7 @@ import os
 import selectors
 import signal
 import socket
+import stat
 from collections import deque
 
 from dsec_backend_fncall.worker import FILES_MOUNT, worker_main
@@ -56,67 +58,104 @@ def _send(sock: socket.socket, msg: dict, fds: list[int] = ()) -> None:  # type:
 
 # -- the sandbox view ------------------------------------------------------------------------
 
+#: the view's /dev: character devices (name, major, minor), mode 0666; workers mount a devpts
+#: of their own on /dev/pts and a tmpfs on /dev/shm
+DEVICES = (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9),
+           ("tty", 5, 0))  # fmt: skip
+_DEV_LINKS = {"ptmx": "pts/ptmx", "fd": "/proc/self/fd", "stdin": "/proc/self/fd/0",
+              "stdout": "/proc/self/fd/1", "stderr": "/proc/self/fd/2"}  # fmt: skip
+#: where the view is put together, in the zygote's own mount namespace (its sources are held
+#: open first, so a source below it is not hidden by it)
+_STAGE = "/tmp"
+_RO = linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID | linux.MOUNT_ATTR_NODEV
+
 
 def _bind_fd(fd: int, target: str) -> None:
     linux.mount(f"/proc/self/fd/{fd}", target, None, linux.MS_BIND | linux.MS_REC)
 
 
-def build_view(masks: list[str], keep: list[str], files_root: str) -> None:
-    """Turn this process's (new) mount namespace into the sandbox view. ``/run`` is always
-    masked: the files mount point is made inside that tmpfs, never on the host."""
+def _covered(path: str, by: list[str]) -> bool:
+    return any(path == b or path.startswith(b.rstrip("/") + "/") for b in by)
+
+
+def build_view(
+    paths: list[str], keep: list[str], hide: list[str], files_root: str, hostname: str
+) -> None:
+    """Make a new mount namespace whose root is the sandbox view, and enter it (chdir "/").
+
+    The view holds ``paths`` (absolute; one that is a symlink, as merged-/usr's /bin, is made
+    the same symlink) and ``keep`` (the interpreter's tree, the code: where not within
+    ``paths``), each bound from the host read-only, nosuid and nodev; ``hide`` (the
+    platform's own paths, where they lie within those) under empty tmpfs; ``/dev`` with
+    :data:`DEVICES` only; ``/etc/hostname`` saying ``hostname``; ``files_root`` at
+    :data:`~dsec_backend_fncall.worker.FILES_MOUNT`; empty ``/proc``, ``/sys``, ``/tmp`` and
+    ``/run`` to mount on. The host's root is detached: nothing but these is reachable.
+    """
     linux.unshare(linux.CLONE_NEWNS)
     linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
-    masks = [m for m in dict.fromkeys(os.path.realpath(m) for m in [*masks, "/run"]) if m != "/"]
-    keep_fds = {p: os.open(p, os.O_PATH) for p in keep if os.path.exists(p)}
+    os.chdir("/")
+    links = {p: os.readlink(p) for p in paths if os.path.islink(p)}
+    binds = [p for p in paths if p not in links and os.path.isdir(p)]
+    binds += [k for k in keep if os.path.isdir(k) and not _covered(k, binds)]
+    fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in binds}
     files_fd = os.open(files_root, os.O_PATH | os.O_DIRECTORY)
-    # every worker copies this mount table and tears its copy down: drop what calls never
-    # see (mounts below masked directories, the host's cgroup hierarchies)
-    _detach_below([*masks, "/sys/fs/cgroup"], keep=[*keep_fds, files_root])
-    for mask in masks:
-        if not os.path.isdir(mask):
-            continue
-        linux.mount("tmpfs", mask, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "mode=0755,size=1m")
-        for path, fd in keep_fds.items():
-            if path.startswith(mask.rstrip("/") + "/"):
-                os.makedirs(path, mode=0o755, exist_ok=True)
-                _bind_fd(fd, path)
-    os.makedirs(FILES_MOUNT, mode=0o700, exist_ok=True)
-    _bind_fd(files_fd, FILES_MOUNT)
-    for fd in [*keep_fds.values(), files_fd]:
+    linux.mount("tmpfs", _STAGE, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "mode=0755,size=1m")
+    root = _STAGE
+    for path, target in links.items():
+        os.makedirs(root + os.path.dirname(path), mode=0o755, exist_ok=True)
+        os.symlink(target, root + path)
+    for path, fd in fds.items():
+        os.makedirs(root + path, mode=0o755, exist_ok=True)
+        _bind_fd(fd, root + path)
+        linux.mount_setattr(root + path, _RO)
         os.close(fd)
-    linux.mount_setattr("/", linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID)
+    for d, mode in (("proc", 0o555), ("sys", 0o555), ("tmp", 0o1777), ("run", 0o755)):
+        os.makedirs(f"{root}/{d}", exist_ok=True)
+        os.chmod(f"{root}/{d}", mode)
+    os.mkdir(root + FILES_MOUNT, 0o700)
+    _bind_fd(files_fd, root + FILES_MOUNT)
+    linux.mount_setattr(root + FILES_MOUNT, _RO | linux.MOUNT_ATTR_NOEXEC)
+    os.close(files_fd)
+    for h in hide:
+        if os.path.isdir(root + h) and not os.path.islink(root + h):
+            linux.mount("tmpfs", root + h, "tmpfs", linux.MS_RDONLY, "size=0")
+    _make_dev(root + "/dev")
+    if os.path.isfile(root + "/etc/hostname"):
+        with open(f"{root}/run/hostname", "w") as f:
+            f.write(hostname + "\n")
+        linux.mount(f"{root}/run/hostname", root + "/etc/hostname", None, linux.MS_BIND)
+    linux.mount_setattr(root, linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID, recursive=False)
+    os.chdir(root)
+    linux.pivot_root(".", ".")
+    linux.umount(".", linux.MNT_DETACH)
+    os.chdir("/")
 
 
-def _detach_below(tops: list[str], keep: list[str]) -> None:
-    """Detach every mount at or below ``tops`` (the tops themselves only if they are not
-    masked again right after), deepest first, except those holding a ``keep`` path."""
-    with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4].replace("\\040", " ") for line in f]
-    keep_real = [os.path.realpath(k) for k in keep]
-
-    def below(point: str, top: str) -> bool:
-        return point == top or point.startswith(top.rstrip("/") + "/")
-
-    for point in sorted(set(points), key=len, reverse=True):
-        if any(below(point, t) for t in tops) and not any(below(k, point) for k in keep_real):
-            try:
-                linux.umount(point, linux.MNT_DETACH)
-            except OSError:
-                pass
+def _make_dev(dev: str) -> None:
+    os.makedirs(dev, exist_ok=True)
+    linux.mount("tmpfs", dev, "tmpfs", linux.MS_NOSUID | linux.MS_NOEXEC, "mode=0755,size=64k")
+    for name, major, minor in DEVICES:
+        os.mknod(f"{dev}/{name}", stat.S_IFCHR | 0o666, os.makedev(major, minor))
+        os.chmod(f"{dev}/{name}", 0o666)  # (the umask applies to mknod)
+    for d in ("pts", "shm"):
+        os.mkdir(f"{dev}/{d}", 0o755)
+    for name, target in _DEV_LINKS.items():
+        os.symlink(target, f"{dev}/{name}")
+    linux.mount_setattr(dev, linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID, recursive=False)
 
 
 # -- the zygote loop -------------------------------------------------------------------------
 
 
 class Zygote:
-    def __init__(self, cfg: dict, sock: socket.socket) -> None:
+    def __init__(self, cfg: dict, sock: socket.socket, pidns: int) -> None:
         self.cfg = cfg
         self.sock = sock
         # first in, first out: a uid (and its cgroup slot) is reused as late as possible
         self.free_uids = deque(range(cfg["uid_base"], cfg["uid_base"] + cfg["uid_count"]))
         self.workers: dict[int, tuple[int, int]] = {}  # pid -> (wid, uid)
         self.next_wid = 0
-        self.pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)
+        self.pidns = pidns  # (the view has no /proc of its own: workers mount theirs)
 
     def spawn(self, urgent: bool) -> None:
         """Fork one worker. It prepares at idle priority, so refilling the pool never slows the
@@ -225,8 +264,12 @@ def main(sock: socket.socket, cfg: dict) -> None:
     cfg["cgroup_fds"] = {  # opened before the view makes /sys/fs/cgroup read-only
         c: os.open(path, os.O_RDONLY | os.O_DIRECTORY) for c, path in cfg.pop("cgroups").items()
     }
-    build_view(cfg.pop("masks"), cfg.pop("keep"), cfg.pop("files_root"))
+    pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)
+    build_view(
+        cfg.pop("view_paths"), cfg.pop("keep"), cfg.pop("hide"), cfg.pop("files_root"),
+        cfg["hostname"],
+    )  # fmt: skip
     try:
-        Zygote(cfg, sock).serve()
+        Zygote(cfg, sock, pidns).serve()
     except (BrokenPipeError, ConnectionResetError):
         pass  # the supervisor is gone; PDEATHSIG takes the workers
