@@ -68,11 +68,12 @@ async def test_own_namespaces_and_only_an_init_per_sandbox(backend, box):
     lines = r.stdout.decode().split()
     assert "sandbox" in lines and "init" in r.stdout.decode() and "eth0" not in lines
     meta = backend.metas[box]
-    ns = {
-        n: os.readlink(f"/proc/{meta.init_pid}/ns/{n}") for n in ("pid", "mnt", "net", "uts", "ipc")
-    }
+    kinds = ("pid", "mnt", "net", "uts", "ipc", "cgroup", "user")
+    ns = {n: os.readlink(f"/proc/{meta.init_pid}/ns/{n}") for n in kinds}
     mine = {n: os.readlink(f"/proc/self/ns/{n}") for n in ns}
     assert all(ns[n] != mine[n] for n in ns), (ns, mine)
+    cgroups = (await sh(backend, box, "cat /proc/self/cgroup")).stdout.decode().splitlines()
+    assert cgroups and all(c.endswith(":/") or ":/exec-" in c for c in cgroups), cgroups
     children = [p for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == meta.init_pid]
     assert children == [], "an idle sandbox runs nothing but its init"
 

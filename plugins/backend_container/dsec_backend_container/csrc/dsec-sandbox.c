@@ -15,8 +15,9 @@
  *     DIR holds rw/ (upper/ and work/ of the overlay, files owned by uids as the sandbox sees
  *     them), m/ (mount points m/0.. for the lowers and m/rw) and rootfs/. Makes the
  *     sandbox's user namespace (its uid and gid 0..N-1 are the host's BASE..BASE+N-1),
- *     joins the cgroups (FILE is a cgroup.procs), enters new mount, PID, UTS, IPC and
- *     (unless --netns) network namespaces, owned by the host's user namespace, so that root
+ *     joins the cgroups (FILE is a cgroup.procs), enters new mount, PID, UTS, IPC, cgroup
+ *     (its cgroups are its /) and (unless --netns) network namespaces, owned by the host's
+ *     user namespace, so that root
  *     in the sandbox has no power over them. Mounts the lowers and rw/ idmapped into the
  *     sandbox's user namespace (files owned by 0 on disk are its root's), the overlay root
  *     with /proc, a minimal /dev and /sys, pivots into it and becomes PID 1, in the
@@ -30,8 +31,8 @@
  *                     --status-fd N -- ARGV...
  *     Runs ARGV in the sandbox whose init --pidfd names (a pidfd cannot be reused: a dead
  *     init is "lost", never another process). Joins the cgroups and the init's IPC, UTS,
- *     network, PID and mount namespaces, forks the command as a session leader, which joins
- *     the sandbox's user namespace, becomes the user (--user NAME is looked up in the
+ *     network, PID, mount and cgroup namespaces, forks the command as a session leader,
+ *     which joins the sandbox's user namespace, becomes the user (--user NAME is looked up in the
  *     sandbox's own /etc/passwd, as its root), keeps a container capability set (root only),
  *     enters --cwd, sets RLIMIT_FSIZE, no_new_privs and the seccomp program, and execs ARGV
  *     with the environment read from --env-fd (NAME=VALUE\0...; nothing else). On
@@ -82,7 +83,8 @@
 
 #define MAX_CGROUPS 16
 #define MAX_LOWERS 64
-#define SANDBOX_NS (CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS)
+#define SANDBOX_NS \
+    (CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWCGROUP)
 
 extern char **environ;
 static char *args_start, *args_end; /* our command line, rewritten by init */
@@ -432,7 +434,7 @@ static int cmd_init(int argc, char **argv) {
         if (fd < 0 || setns(fd, CLONE_NEWNET) < 0) die("enter the network namespace");
         close(fd);
     }
-    int flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC;
+    int flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWCGROUP;
     if (!netns) flags |= CLONE_NEWNET;
     if (unshare(flags) < 0) die("unshare");
     int sync[2];
