@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dsec_kernel import linux
 
-__all__ = ["Group", "favor_dynamic_changes", "v1_controllers", "v2_own"]
+__all__ = ["Group", "favor_dynamic_changes", "host_reserve", "v1_controllers", "v2_own"]
 
 
 def v1_controllers() -> dict[str, Path]:
@@ -69,6 +69,17 @@ def favor_dynamic_changes() -> str | None:
     except OSError as exc:
         return f"cannot remount {mountpoint} with favordynmods: {exc}"
     return None
+
+
+def host_reserve() -> tuple[int, int]:
+    """What every sandbox of a backend may use together, so that the host keeps some of its
+    own whatever the sandboxes' limits add up to: (bytes of memory: the node's less a tenth,
+    at least 1 GiB, less; processes: three quarters of the kernel's ``pid_max``)."""
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemTotal:"))
+    with open("/proc/sys/kernel/pid_max") as f:
+        pid_max = int(f.read())
+    return max(total - max(total // 10, 1 << 30), total // 2), pid_max * 3 // 4
 
 
 class Group:

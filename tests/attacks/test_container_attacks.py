@@ -367,6 +367,14 @@ async def test_long_walks_of_one_tenant_hold_up_no_one_else(platform, attacker, 
         await victim.destroy([neighbour])
 
 
+async def test_limits_past_the_nodes_are_refused(attacker, attack):
+    for limits in (dsec.Limits(memory_mb=1 << 20), dsec.Limits(pids=1 << 16)):
+        with pytest.raises(errors.InvalidArgument, match="over the"):
+            await one(attacker, limits=limits)
+    assert not [s for s in await attacker.list() if s.backend == "container"]
+    attack("ask for 1 TiB of memory or 65,536 processes", "container", "invalid_argument")
+
+
 # -- item 10: a lost sandbox releases what it held ------------------------------------------
 
 

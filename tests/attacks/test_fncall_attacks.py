@@ -299,11 +299,38 @@ async def test_the_view_holds_only_the_hosts_programs(platform, attacker, attack
             r = await sb.exec(["python3", "-c", code + FIND_HOST_FILES], cwd=cwd, timeout=30)
             seen.append(json.loads(r.stdout))
         assert all(not s["found"] for s in seen), seen
-        allowed = {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc",
-                   "sys", "tmp", "run", "root"}  # (root: only the interpreter's tree, if there)
+        allowed = {
+            "bin",
+            "sbin",
+            "lib",
+            "lib32",
+            "lib64",
+            "libx32",
+            "usr",
+            "etc",
+            "dev",
+            "proc",
+            "sys",
+            "tmp",
+            "run",
+            "root",
+        }  # (root: only the interpreter's tree, if there)
         assert set(seen[0]["root"]) <= allowed, seen[0]["root"]
-        assert set(seen[0]["dev"]) == {"fd", "full", "null", "ptmx", "pts", "random", "shm",
-                                       "stderr", "stdin", "stdout", "tty", "urandom", "zero"}
+        assert set(seen[0]["dev"]) == {
+            "fd",
+            "full",
+            "null",
+            "ptmx",
+            "pts",
+            "random",
+            "shm",
+            "stderr",
+            "stdin",
+            "stdout",
+            "tty",
+            "urandom",
+            "zero",
+        }
         attack("read host files outside the view (by path, /proc/*/cwd, /proc/*/root, cwd=)",
                "fncall", f"none of {len(planted)} planted files reached; / holds "
                f"{len(seen[0]['root'])} entries")  # fmt: skip
@@ -352,6 +379,18 @@ async def test_no_terminal_to_type_into(attacker, attack):
     assert len(os.listdir("/dev/pts")) == host_ptys
     attack("type into the operator's terminal (TIOCSTI), exhaust the host's ptys", "fncall",
            f"no controlling tty; TIOCSTI EPERM; its own devpts ({out['ptys']})")  # fmt: skip
+
+
+async def test_limits_past_the_nodes_are_refused(attacker, attack):
+    """A call or sandbox cannot ask for more memory or processes than one call may have here
+    (the host's pid_max is 32,768 here: 65,536 pids would let one call take them all)."""
+    huge = [dsec.Limits(memory_mb=1 << 20), dsec.Limits(pids=1 << 16)]
+    for limits in huge:
+        with pytest.raises(errors.InvalidArgument, match="over the"):
+            await attacker.fncall("print(1)", limits=limits)
+        with pytest.raises(errors.InvalidArgument, match="over the"):
+            await attacker.create(count=1, backend="fncall", limits=limits)
+    attack("ask for 1 TiB of memory or 65,536 processes", "fncall", "invalid_argument")
 
 
 # -- the classic escapes ---------------------------------------------------------------------

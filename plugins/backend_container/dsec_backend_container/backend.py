@@ -60,7 +60,7 @@ from dsec_kernel.backend import (
     SandboxRef,
     SandboxStatus,
 )
-from dsec_kernel.cgroups import Group, favor_dynamic_changes, v1_controllers
+from dsec_kernel.cgroups import Group, favor_dynamic_changes, host_reserve, v1_controllers
 from dsec_kernel.config import StorageSettings
 from dsec_kernel.storage import Layer, LayerStore, open_store
 from dsec_kernel.wire import (
@@ -71,6 +71,7 @@ from dsec_kernel.wire import (
     FsDiff,
     FsDiffRequest,
     LayerInfo,
+    Limits,
     PublishRequest,
     ReadFileRequest,
     ReadFileResponse,
@@ -106,6 +107,13 @@ class ContainerConfig(BaseModel):
     max_sandboxes: int = Field(3200, ge=1)
     memory_mb: int = Field(2048, ge=16, description="default memory limit")
     pids: int = Field(1024, ge=8, description="default process limit")
+    max_memory_mb: int | None = Field(
+        None,
+        ge=16,
+        description="largest memory limit a sandbox may ask for (None: what all "
+        "sandboxes may use together)",
+    )
+    max_pids: int = Field(16384, ge=8, description="largest process limit a sandbox may ask for")
     cpus: float | None = Field(None, gt=0, description="default CPU quota (None: shares only)")
     disk_mb: int = Field(10240, ge=16, description="default disk quota of a sandbox's files")
     inodes: int = Field(
@@ -242,6 +250,12 @@ class ContainerBackend(Backend):
         parents = {c: d for c, d in v1_controllers().items() if c in CONTROLLERS}
         own = hashlib.sha256(str(ctx.state_dir.resolve()).encode()).hexdigest()[:12]
         self.cgroups = Group.under(parents, f"dsec-container-{own}").create()
+        self.memory_cap, pids_cap = host_reserve()  # all sandboxes together: the host keeps
+        try:  # memory and process numbers of its own, whatever their limits add up to
+            self.cgroups.set("memory", "memory.limit_in_bytes", self.memory_cap)
+            self.cgroups.set("pids", "pids.max", pids_cap)
+        except OSError as exc:
+            log.warning("cannot cap what all sandboxes use together: %s", exc)
         self.uids = UidRanges()
         self.inits = Inits(self._init_ended)
         if why := favor_dynamic_changes():
@@ -426,6 +440,7 @@ class ContainerBackend(Backend):
     async def create(self, sandbox: EdgeSandbox) -> SandboxStatus:
         if sandbox.id in self.metas or SandboxDir(self.root, sandbox.id).exists():
             raise errors.Conflict(f"sandbox {sandbox.id} already exists")
+        self._check_limits(sandbox.spec.limits)
         async with self._lock(sandbox.id):
             try:
                 meta, pidfd, refs = await asyncio.to_thread(self._create, sandbox)
@@ -508,6 +523,20 @@ class ContainerBackend(Backend):
         )
         meta.init_start = process_start(meta.init_pid) or 0  # read while the pidfd holds it
         return pidfd
+
+    def _check_limits(self, limits: Limits) -> None:
+        """InvalidArgument for limits past what this node lets one sandbox have."""
+        memory = self.config.max_memory_mb or self.memory_cap >> 20
+        if (limits.memory_mb or 0) > memory:
+            raise errors.InvalidArgument(
+                f"limits.memory_mb {limits.memory_mb} is over the {memory} MiB one container "
+                "sandbox may have on this node"
+            )
+        if (limits.pids or 0) > self.config.max_pids:
+            raise errors.InvalidArgument(
+                f"limits.pids {limits.pids} is over the {self.config.max_pids} processes one "
+                "container sandbox may have on this node"
+            )
 
     def _limit(self, sandbox_id: str, limits: Any) -> None:
         group = self._group(sandbox_id).create()

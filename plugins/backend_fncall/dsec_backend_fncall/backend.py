@@ -72,6 +72,11 @@ class FncallConfig(BaseModel):
     memory_mb: int = Field(512, ge=32, description="default address-space limit per call")
     processes: int = Field(64, ge=1, description="default process limit per call")
     file_size_mb: int = Field(64, ge=1, description="default largest file a call writes")
+    max_memory_mb: int = Field(4096, ge=32, description="largest memory limit a call may ask for")
+    max_processes: int = Field(1024, ge=1, description="largest process limit a call may ask for")
+    max_file_size_mb: int = Field(
+        1024, ge=1, description="largest file size limit a call may ask for"
+    )
     uid_base: int = Field(
         200_000, ge=1000, description="first uid calls run as; uid_base - 1 is their group"
     )
@@ -241,6 +246,7 @@ class FncallBackend(Backend):
         return d
 
     async def create(self, sandbox: EdgeSandbox) -> SandboxStatus:
+        self._checked(sandbox.spec.limits)
         d = self.root / sandbox.id
         try:
             (d / "files").mkdir(parents=True)
@@ -282,7 +288,21 @@ class FncallBackend(Backend):
     def _limits_for(self, sandbox_id: str, given: Limits) -> Limits:
         """The sandbox's limits, overridden by those a call gives."""
         own = self._limits.get(sandbox_id, Limits())
-        return own.model_copy(update=given.model_dump(exclude_none=True))
+        return self._checked(own.model_copy(update=given.model_dump(exclude_none=True)))
+
+    def _checked(self, limits: Limits) -> Limits:
+        """``limits``; InvalidArgument if one is past what this node lets a call have."""
+        c = self.config
+        for name, asked, most, unit in (
+            ("memory_mb", limits.memory_mb, c.max_memory_mb, "MiB"),
+            ("pids", limits.pids, c.max_processes, "processes"),
+            ("file_size_mb", limits.file_size_mb, c.max_file_size_mb, "MiB"),
+        ):
+            if (asked or 0) > most:
+                raise errors.InvalidArgument(
+                    f"limits.{name} {asked} is over the {most} {unit} a fncall may have here"
+                )
+        return limits
 
     def _pb_limits(self, limits: Limits) -> pb.Limits:
         return pb.Limits(
@@ -313,7 +333,7 @@ class FncallBackend(Backend):
 
     async def fncall(self, request: FncallRequest) -> ExecResult:
         assert self.agent is not None
-        limits = request.limits
+        limits = self._checked(request.limits)
         if request.sandbox_id:
             self._dir(request.sandbox_id)
             limits = self._limits_for(request.sandbox_id, limits)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsec_backend_fncall.zygote import BOOT
-from dsec_kernel.cgroups import Group, v1_controllers, v2_own
+from dsec_kernel.cgroups import Group, host_reserve, v1_controllers, v2_own
 from dsec_kernel.procs import die_with_parent
 
 if TYPE_CHECKING:
@@ -293,8 +293,12 @@ def cgroup_base() -> Group | None:
     group = Group.under(parents, f"dsec-fncall-{os.getpid()}")
     try:
         group.create()
+        memory, processes = host_reserve()  # every call together: the host keeps some
         if "memory" in group.dirs:  # slots inherit it: swap never stretches a call's memory
             group.set("memory", "memory.swappiness", 0)  # limit (a node may swap for pauses)
+            group.set("memory", "memory.limit_in_bytes", memory)
+        if "pids" in group.dirs:
+            group.set("pids", "pids.max", processes)
     except OSError as exc:
         log.warning("cannot create cgroups (%s): calls are limited by rlimits only", exc)
         group.remove()
