@@ -70,7 +70,11 @@ def platform(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("attacks")
     store = {"root": str(root / "store"), "cache_dir": str(root / "cache")}
     ensure_layer(open_store("3fs", store), "base", "busybox", "1", busybox_tree)
-    cluster = LocalCluster(root / "platform", {"DSEC_STORAGE_CONFIG__ROOT": store["root"]})
+    env = {
+        "DSEC_STORAGE_CONFIG__ROOT": store["root"],
+        "DSEC_BACKEND_CONFIG__CONTAINER__FILE_TIMEOUT_S": "3",  # (stopped helpers, sooner)
+    }
+    cluster = LocalCluster(root / "platform", env)
     try:
         cluster.start_nats()
         cluster.start_apiserver()

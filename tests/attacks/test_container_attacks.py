@@ -375,6 +375,69 @@ async def test_limits_past_the_nodes_are_refused(attacker, attack):
     attack("ask for 1 TiB of memory or 65,536 processes", "container", "invalid_argument")
 
 
+def file_helpers() -> list[int]:
+    """Host pids of file-operation helpers (each shows only its name)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"dsec-file"):
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+async def test_a_flood_of_file_operations_leaves_the_node_up(platform, attacker, victim, attack):
+    """300 read_files at once: the node keeps its heartbeat (its helpers run in the sandbox's
+    cgroups, a few at a time), the victim's sandbox stays ready and answers meanwhile."""
+    sb = await one(attacker)
+    mine = await one(victim)
+    try:
+        await mine.write_file("/data", b"victim's")
+        t = time.monotonic()
+        flood = asyncio.gather(*(sb.read_file("/etc/passwd") for _ in range(300)))
+        answered = []
+        while not flood.done():
+            r = await mine.exec("cat /data")
+            answered.append(r.stdout == b"victim's")
+            await asyncio.sleep(0.2)
+        await flood
+        took = time.monotonic() - t
+        assert all(answered) and (await mine.status()).state == "ready"
+        [node] = await victim.nodes()
+        assert node.state == "up", node
+        attack("300 read_files at once against the node's heartbeat", "container",
+               f"done in {took:.1f}s; node up, victim answered {len(answered)} times")  # fmt: skip
+    finally:
+        await attacker.destroy([sb])
+        await victim.destroy([mine])
+
+
+async def test_stopped_file_helpers_do_not_pile_up(platform, attacker, attack):
+    """The sandbox stops every process of its uid, the file helpers' children included: each
+    operation ends at the file timeout (3 s here) with everything it started, and no more of
+    them exist at once than the sandbox's process limit allows."""
+    sb = await one(attacker, limits=dsec.Limits(pids=32))
+    try:
+        await sb.exec("(while :; do kill -STOP -1; done) >/dev/null 2>&1 &")
+        t = time.monotonic()
+        results = await asyncio.gather(
+            *(sb.read_file("/etc/passwd") for _ in range(40)), return_exceptions=True
+        )
+        took = time.monotonic() - t
+        kinds = {type(r).__name__ for r in results}
+        assert kinds <= {"bytes", "DeadlineExceeded", "Unavailable"}, kinds
+        for _ in range(50):
+            if not file_helpers():
+                break
+            await asyncio.sleep(0.1)
+        assert not file_helpers(), "file helpers outlived their operations"
+        attack("stop the file helpers (kill -STOP -1), then 40 read_files", "container",
+               f"40 answered in {took:.1f}s ({','.join(sorted(kinds))}); none left")  # fmt: skip
+    finally:
+        await attacker.destroy([sb])
+
+
 # -- item 10: a lost sandbox releases what it held ------------------------------------------
 
 

@@ -62,6 +62,7 @@ from dsec_kernel.backend import (
 )
 from dsec_kernel.cgroups import Group, favor_dynamic_changes, host_reserve, v1_controllers
 from dsec_kernel.config import StorageSettings
+from dsec_kernel.fairshare import TenantSlots
 from dsec_kernel.storage import Layer, LayerStore, open_store
 from dsec_kernel.wire import (
     MAX_FILE_BYTES,
@@ -125,6 +126,10 @@ class ContainerConfig(BaseModel):
     lanes: int = Field(
         4, ge=1, description="threads for long work tenants ask for (one per tenant at a time)"
     )
+    file_ops: int = Field(
+        32, ge=1, description="file operations in flight on the node (a tenant: 3/4 of them)"
+    )
+    file_timeout_s: float = Field(30.0, gt=0, description="longest a file operation may take")
     upper_root: Path | None = Field(None, description="where writable layers go (local disk)")
     upper_fs_gb: float = Field(
         0,
@@ -242,8 +247,11 @@ class ContainerBackend(Backend):
         os.chmod(self.root, 0o700)
         self.inode_limits = InodeLimits(self.fs)
         self.lanes = Lanes(self.config.lanes)
+        self.file_slots = TenantSlots(self.config.file_ops, max(1, self.config.file_ops * 3 // 4))
         self.trash = Trash(self.root / ".trash", delete_tree(self.fs))
-        self.helper = await asyncio.to_thread(Helper, ctx.state_dir / "bin")
+        self.helper = await asyncio.to_thread(
+            Helper, ctx.state_dir / "bin", self.config.file_timeout_s
+        )
         self.seccomp = write_profile(
             ctx.state_dir / "seccomp.bpf", ctx.hooks.guard_syscalls(self.name)
         )
@@ -708,25 +716,37 @@ class ContainerBackend(Backend):
                 os.rmdir(own.dirs["freezer"])
         return result.model_copy(update={"sandbox_id": call.sandbox_id})
 
+    def _charged(self, sandbox_id: str) -> list[Path]:
+        """What a helper acting on the sandbox joins: its cpu, memory and pids groups (not
+        its freezer: a paused sandbox's files can still be read)."""
+        group = self._group(sandbox_id)
+        return [group.dirs[c] / "cgroup.procs" for c in ("cpu", "memory", "pids")]
+
     async def read_file(self, request: ReadFileRequest) -> ReadFileResponse:
-        self._meta(request.sandbox_id)
-        pidfd = self._pidfd(request.sandbox_id)
-        try:
-            data = await self.helper.read_file(pidfd, request.path, MAX_FILE_BYTES)
-        finally:
-            os.close(pidfd)
+        meta = self._meta(request.sandbox_id)
+        async with self.file_slots.hold(meta.tenant):
+            pidfd = self._pidfd(request.sandbox_id)
+            try:
+                data = await self.helper.read_file(
+                    pidfd, request.path, MAX_FILE_BYTES, self._charged(meta.id)
+                )
+            finally:
+                os.close(pidfd)
         return ReadFileResponse(data=data)
 
     async def write_file(self, request: WriteFileRequest) -> WriteFileResponse:
-        self._meta(request.sandbox_id)
+        meta = self._meta(request.sandbox_id)
         name = request.path.rstrip("/").rpartition("/")[2]
         if not name or name in (".", "..") or "\0" in request.path:
             raise errors.InvalidArgument(f"{request.path!r}: not a file path")
-        pidfd = self._pidfd(request.sandbox_id)
-        try:
-            await self.helper.write_file(pidfd, request.path, request.data, request.mode)
-        finally:
-            os.close(pidfd)
+        async with self.file_slots.hold(meta.tenant):
+            pidfd = self._pidfd(request.sandbox_id)
+            try:
+                await self.helper.write_file(
+                    pidfd, request.path, request.data, request.mode, self._charged(meta.id)
+                )
+            finally:
+                os.close(pidfd)
         return WriteFileResponse(size=len(request.data))
 
     # -- state -------------------------------------------------------------------------------

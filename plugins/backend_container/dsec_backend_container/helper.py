@@ -42,7 +42,8 @@ def compiler() -> str | None:
 class Helper:
     """The built helper binary, kept under ``bin_dir`` by the hash of its source."""
 
-    def __init__(self, bin_dir: Path) -> None:
+    def __init__(self, bin_dir: Path, file_timeout_s: float = 30.0) -> None:
+        self.file_timeout_s = file_timeout_s
         digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
         self.path = bin_dir / f"dsec-sandbox-{digest}"
         if not self.path.exists():
@@ -163,17 +164,24 @@ class Helper:
         finally:
             run.close()
 
-    async def read_file(self, pidfd: int, path: str, max_bytes: int) -> bytes:
-        """The whole regular file ``path`` of the sandbox, read as its root inside it."""
-        argv = [str(self.path), "read", "--pidfd", str(pidfd), "--max", str(max_bytes), path]
-        out = await _file_op(argv, pidfd, b"", path)
-        return out
+    async def read_file(self, pidfd: int, path: str, max_bytes: int, cgroups: list[Path]) -> bytes:
+        """The whole regular file ``path`` of the sandbox, read as its root inside it, in
+        ``cgroups`` (the sandbox's: its CPU, memory and processes are charged)."""
+        argv = [str(self.path), "read", "--pidfd", str(pidfd), *_cgroup_args(cgroups),
+                "--max", str(max_bytes), path]  # fmt: skip
+        return await _file_op(argv, pidfd, b"", path, self.file_timeout_s)
 
-    async def write_file(self, pidfd: int, path: str, data: bytes, mode: int) -> None:
-        """Replace ``path`` in the sandbox atomically, as its root inside it."""
-        argv = [str(self.path), "write", "--pidfd", str(pidfd), "--mode", str(mode),
-                "--size", str(len(data)), path]  # fmt: skip
-        await _file_op(argv, pidfd, data, path)
+    async def write_file(
+        self, pidfd: int, path: str, data: bytes, mode: int, cgroups: list[Path]
+    ) -> None:
+        """Replace ``path`` in the sandbox atomically, as its root inside it, in ``cgroups``."""
+        argv = [str(self.path), "write", "--pidfd", str(pidfd), *_cgroup_args(cgroups),
+                "--mode", str(mode), "--size", str(len(data)), path]  # fmt: skip
+        await _file_op(argv, pidfd, data, path, self.file_timeout_s)
+
+
+def _cgroup_args(cgroups: list[Path]) -> list[str]:
+    return [arg for cg in cgroups for arg in ("--cgroup", str(cg))]
 
 
 def _memfd(data: bytes) -> int:
@@ -191,7 +199,9 @@ def _memfd(data: bytes) -> int:
 _FILE_ERRORS = {errno.ENOENT: errors.NotFound, errno.ENOTDIR: errors.NotFound}
 
 
-async def _file_op(argv: list[str], pidfd: int, data: bytes, path: str) -> bytes:
+async def _file_op(argv: list[str], pidfd: int, data: bytes, path: str, timeout: float) -> bytes:
+    """Run a file helper; past ``timeout`` it is stopped (it kills its child in the sandbox),
+    as when the caller stops waiting."""
     source = _memfd(data)
     try:
         proc = await asyncio.create_subprocess_exec(
@@ -200,7 +210,22 @@ async def _file_op(argv: list[str], pidfd: int, data: bytes, path: str) -> bytes
         )  # fmt: skip
     finally:
         os.close(source)
-    out, err = await proc.communicate()
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except BaseException as exc:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()  # the helper SIGKILLs its child in the sandbox, then exits
+        try:
+            await asyncio.wait_for(asyncio.shield(proc.wait()), _KILL_WAIT_S)
+        except TimeoutError:
+            proc.kill()
+            await asyncio.shield(proc.wait())
+        if isinstance(exc, TimeoutError):
+            raise errors.DeadlineExceeded(
+                f"{path}: the file operation took over {timeout:g} s (are the "
+                "sandbox's processes stopped?); retry"
+            ) from None
+        raise
     if proc.returncode == 0:
         return out
     text = err.decode(errors="replace").strip()

@@ -16,30 +16,32 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from dsec_kernel.fairshare import TenantSlots
+
 __all__ = ["Lanes"]
 
 T = TypeVar("T")
 
 
 class Lanes:
-    """``threads`` threads; one call per tenant at a time (the others wait their turn)."""
+    """``threads`` threads; one call per tenant at a time, the others wait their turn (the
+    tenant running fewest first: :class:`~dsec_kernel.fairshare.TenantSlots`)."""
 
     def __init__(self, threads: int) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dsec-lane")
-        self._turns: dict[str, asyncio.Semaphore] = {}
+        self._turns = TenantSlots(threads, 1)
 
     async def run(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a lane once ``tenant`` has none busy. The tenant's turn ends when
         ``fn`` returns, even if the caller stopped waiting for it."""
         loop = asyncio.get_running_loop()
-        turn = self._turns.setdefault(tenant, asyncio.Semaphore(1))
-        await turn.acquire()
+        await self._turns.acquire(tenant)
         try:
             job: Future[T] = self._pool.submit(functools.partial(fn, *args))
         except BaseException:
-            turn.release()
+            self._turns.release(tenant)
             raise
-        job.add_done_callback(lambda _: loop.call_soon_threadsafe(turn.release))
+        job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._turns.release, tenant))
         return await asyncio.wrap_future(job)
 
     def close(self) -> None:

@@ -4,7 +4,7 @@
 with a clean environment). It starts the zygote (:mod:`dsec_backend_fncall.zygote`), keeps
 ``pool_size`` workers ready (:mod:`dsec_backend_fncall.pool`), and serves ``Agent`` on a unix
 socket: each Exec waits for a slot (shared fairly between tenants:
-:mod:`dsec_backend_fncall.fairshare`), takes one fresh worker, streams its output and reports
+:mod:`dsec_kernel.fairshare`), takes one fresh worker, streams its output and reports
 its exit; the worker is never reused. At the timeout the call is killed unless its worker has
 really exited: the supervisor trusts the kernel (pidfd, cgroup), never what a call says.
 """
@@ -27,12 +27,12 @@ from pathlib import Path
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec_backend_fncall.fairshare import TenantSlots
 from dsec_backend_fncall.pool import Pool, Worker
 from dsec_kernel import errors
 from dsec_kernel.agent import agent_pb2 as pb
 from dsec_kernel.agent.agent_pb2_grpc import AgentServicer, add_AgentServicer_to_server
 from dsec_kernel.agent.client import unix_target
+from dsec_kernel.fairshare import TenantSlots
 from dsec_kernel.fileio import read_whole
 from dsec_kernel.wire import SANDBOX_ID_PATTERN
 

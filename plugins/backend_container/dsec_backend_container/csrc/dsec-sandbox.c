@@ -42,10 +42,13 @@
  *     signals this helper, never a process group by number. The command is reaped only
  *     after forwarding has stopped, so the group's id cannot name anyone else meanwhile.
  *
- *   dsec-sandbox read --pidfd N --max BYTES PATH
- *   dsec-sandbox write --pidfd N --mode MODE --size BYTES PATH   (the data on stdin)
- *     A file operation as the sandbox's root, inside its mount and user namespaces: paths
- *     and symlinks resolve in the sandbox's own tree, with its permissions. read writes the
+ *   dsec-sandbox read --pidfd N [--cgroup FILE]... --max BYTES PATH
+ *   dsec-sandbox write --pidfd N [--cgroup FILE]... --mode MODE --size BYTES PATH  (data on stdin)
+ *     A file operation as the sandbox's root, inside its mount and user namespaces, in its
+ *     cgroups (its CPU, memory and process count are the sandbox's); SIGTERM kills the
+ *     operation, stopped or not (the sandbox can stop it: it is of its uid), and so does
+ *     this process's death: paths and symlinks resolve in the sandbox's own tree, with its
+ *     permissions. read writes the
  *     whole regular file (at most BYTES) to stdout; write replaces PATH atomically (a
  *     temporary name renamed into place), making missing parent directories (0755). Errors:
  *     "error <errno> <what>\n" on stderr and exit 2; "lost\n" and exit 3 if the sandbox is
@@ -482,6 +485,20 @@ static int cmd_init(int argc, char **argv) {
 
 static pid_t child = -1;
 
+/* Wait for `child` to end, then block `signals` (whose handlers signal it by its pid or
+ * group id) before reaping it: until then its id cannot be anyone else's. Its wait status. */
+static int reap(const sigset_t *signals) {
+    siginfo_t info;
+    while (waitid(P_PID, (id_t)child, &info, WEXITED | WNOWAIT) < 0) /* ended: not reaped */
+        if (errno != EINTR) die("wait");
+    sigprocmask(SIG_BLOCK, signals, NULL);
+    child = -1;
+    int status;
+    while (waitpid((pid_t)info.si_pid, &status, 0) < 0)
+        if (errno != EINTR) die("wait");
+    return status;
+}
+
 /* the command's group, while the command is unreaped (its id then cannot be reused) */
 static void forward(int sig) {
     if (child > 0) kill(-child, sig == SIGUSR1 ? SIGKILL : sig);
@@ -643,14 +660,7 @@ static int cmd_exec(int argc, char **argv) {
         sigaction(forwarded[k], &sa, NULL);
         sigaddset(&mask, forwarded[k]);
     }
-    siginfo_t info;
-    while (waitid(P_PID, (id_t)child, &info, WEXITED | WNOWAIT) < 0) /* ended: not reaped */
-        if (errno != EINTR) die("wait");
-    sigprocmask(SIG_BLOCK, &mask, NULL); /* no more forwarding, then the id may go */
-    child = -1;
-    int status;
-    while (waitpid((pid_t)info.si_pid, &status, 0) < 0)
-        if (errno != EINTR) die("wait");
+    int status = reap(&mask);
     status_line(status_fd, "status %ld\n", status);
     return 0;
 }
@@ -663,10 +673,17 @@ static void fail(const char *what) {
     _exit(2);
 }
 
+/* our child, unreaped (its pid cannot be anyone else's) */
+static void kill_child(int sig) {
+    (void)sig;
+    if (child > 0) kill(child, SIGKILL);
+}
+
 /* Continue as the sandbox's root in a child inside its mount, PID and user namespaces (in
  * its PID namespace, what /proc tells is the sandbox's own, e.g. /proc/loadavg's last pid);
  * this process waits and exits as the child does. */
-static void enter_files(int pidfd) {
+static void enter_files(int pidfd, char **cgroups, int ncg) {
+    join_cgroups(cgroups, ncg);
     if (setns(pidfd, CLONE_NEWNS | CLONE_NEWPID) < 0) {
         if (errno == ESRCH) {
             fputs("lost\n", stderr);
@@ -675,22 +692,29 @@ static void enter_files(int pidfd) {
         die("enter the sandbox");
     }
     rename_self("dsec-file"); /* the child is in the sandbox's sight */
-    pid_t pid = fork();
-    if (pid < 0) die("fork");
-    if (pid > 0) {
-        int status;
-        while (waitpid(pid, &status, 0) < 0)
-            if (errno != EINTR) die("wait");
+    child = fork();
+    if (child < 0) die("fork");
+    if (child > 0) { /* SIGTERM (the host's timeout): SIGKILL the child, stopped or not */
+        struct sigaction sa = {0};
+        sa.sa_handler = kill_child;
+        sigaction(SIGTERM, &sa, NULL);
+        sigset_t term;
+        sigemptyset(&term);
+        sigaddset(&term, SIGTERM);
+        int status = reap(&term);
         _exit(WIFEXITED(status) ? WEXITSTATUS(status) : 2);
     }
+    pid_t parent = getppid();
     if (setns(pidfd, CLONE_NEWUSER) < 0) die("enter the user namespace");
     close(pidfd);
     be_sandbox_root();
+    /* after the uid change, which clears it; then the parent may already be gone */
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0 || getppid() != parent) _exit(2);
     if (chdir("/") < 0) die("chdir /");
 }
 
-static int cmd_read(int pidfd, long max, const char *path) {
-    enter_files(pidfd);
+static int cmd_read(int pidfd, char **cgroups, int ncg, long max, const char *path) {
+    enter_files(pidfd, cgroups, ncg);
     int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC); /* a FIFO: not blocked */
     if (fd < 0) fail("open");
     struct stat st;
@@ -739,8 +763,8 @@ static int make_parents(char *path) {
     return fd;
 }
 
-static int cmd_write(int pidfd, long mode, long size, char *path) {
-    enter_files(pidfd);
+static int cmd_write(int pidfd, char **cgroups, int ncg, long mode, long size, char *path) {
+    enter_files(pidfd, cgroups, ncg);
     char *slash = strrchr(path, '/');
     const char *name = slash + 1;
     *slash = '\0';
@@ -785,12 +809,14 @@ static int cmd_write(int pidfd, long mode, long size, char *path) {
 }
 
 static int cmd_file(const char *op, int argc, char **argv) {
-    int pidfd = -1;
+    int pidfd = -1, ncg = 0;
     long max = 0, mode = 0644, size = -1;
+    char *cgroups[MAX_CGROUPS];
     int i = 0;
     for (; i + 1 < argc && !strncmp(argv[i], "--", 2); i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
         if (!strcmp(a, "--pidfd")) pidfd = (int)number(a, v);
+        else if (!strcmp(a, "--cgroup") && ncg < MAX_CGROUPS) cgroups[ncg++] = (char *)v;
         else if (!strcmp(a, "--max")) max = number(a, v);
         else if (!strcmp(a, "--mode")) mode = number(a, v);
         else if (!strcmp(a, "--size")) size = number(a, v);
@@ -799,9 +825,9 @@ static int cmd_file(const char *op, int argc, char **argv) {
     errno = 0;
     if (pidfd < 0 || i != argc - 1 || argv[i][0] != '/') die("%s needs --pidfd and a path", op);
     nondumpable();
-    if (!strcmp(op, "read")) return cmd_read(pidfd, max, argv[i]);
+    if (!strcmp(op, "read")) return cmd_read(pidfd, cgroups, ncg, max, argv[i]);
     if (size < 0) die("write needs --size");
-    return cmd_write(pidfd, mode, size, argv[i]);
+    return cmd_write(pidfd, cgroups, ncg, mode, size, argv[i]);
 }
 
 int main(int argc, char **argv) {

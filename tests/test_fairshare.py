@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from dsec_backend_fncall.fairshare import TenantSlots
+
+from dsec_kernel.fairshare import TenantSlots
 
 
 async def _start(slots: TenantSlots, tenant: str, granted: list[str]) -> asyncio.Task[None]:
