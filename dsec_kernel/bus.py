@@ -24,6 +24,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -390,9 +391,12 @@ class _Endpoints:
                 except ValidationError as exc:
                     await _respond_error(req, errors.InvalidArgument(validation_message(exc)))
                     return
-                except Exception as exc:
-                    log.exception("handler for %s failed", req.subject)
-                    await _respond_error(req, errors.Internal(f"{type(exc).__name__}: {exc}"))
+                except Exception:  # its text may name host paths or processes: logged only
+                    ref = secrets.token_hex(4)
+                    log.exception("handler for %s failed (ref %s)", req.subject, ref)
+                    await _respond_error(
+                        req, errors.Internal(f"an unexpected failure (ref {ref} in the log)")
+                    )
                     return
                 data = result if isinstance(result, bytes) else result.model_dump_json().encode()
                 await req.respond(data)
