@@ -68,6 +68,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 TOKEN_HEADER = "Dsec-Token"
+#: how often a connection pings its server (three unanswered: stale, reconnect)
+PING_INTERVAL_S = 5.0
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[Request], Awaitable[BaseModel | bytes]]
 
@@ -151,6 +153,29 @@ async def _abandon(nc: NATS, connecting: asyncio.Future[None]) -> None:
         pass
 
 
+class _Client(NATS):
+    """nats-py's client, but a message it cannot parse is dropped, not fatal.
+
+    A subject, reply subject or header that is not UTF-8 makes nats-py raise while building
+    the message, inside its read loop, which then stops: the connection reads nothing more
+    until the server's pings declare it stale (minutes). Any tenant may publish such a
+    request to the API, so a service that read it would go deaf for everyone. Overridden
+    here, not patched upstream: the one method that turns protocol frames into messages."""
+
+    _dropped = 0
+
+    async def _process_msg(self, sid, subject, reply, data, headers) -> None:  # type: ignore[no-untyped-def]
+        try:
+            await super()._process_msg(sid, subject, reply, data, headers)
+        except Exception as exc:
+            _Client._dropped += 1
+            if _Client._dropped & (_Client._dropped - 1) == 0:  # the 1st, 2nd, 4th, 8th...
+                log.warning(
+                    "dropped %d message(s) that could not be read (the last on %.80r: %s)",
+                    _Client._dropped, subject, exc,
+                )  # fmt: skip
+
+
 async def connect(
     url: str,
     *,
@@ -196,7 +221,7 @@ async def connect(
             if _refused(exc):
                 refused.set()
 
-    nc = NATS()
+    nc = _Client()
     connecting = asyncio.ensure_future(
         nc.connect(
             servers,
@@ -211,6 +236,8 @@ async def connect(
             disconnected_cb=disconnected_cb,
             reconnected_cb=reconnected_cb,
             pending_size=64 << 20,
+            ping_interval=PING_INTERVAL_S,  # a stale connection is seen within seconds
+            max_outstanding_pings=3,
         )
     )
     watch = asyncio.ensure_future(refused.wait())

@@ -14,6 +14,7 @@ import asyncio
 import json
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import nats
 import pytest
@@ -171,3 +172,49 @@ def test_the_service_password_is_in_no_process_environment(platform, attack):
         assert b"DSEC_NATS_LOGIN_FILE=" in environ  # the path only
     attack("find the service password in the edge's and apiserver's environment", "-",
            "not there: services read it from a 0600 file")  # fmt: skip
+
+
+async def raw_nats(url: str, token: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A NATS connection spoken by hand, logged in as the tenant: it can send frames no
+    client library would."""
+    login = bus.Login.for_token(token)
+    where = urlsplit(url)
+    reader, writer = await asyncio.open_connection(where.hostname, where.port)
+    await reader.readline()  # INFO
+    connect = {"user": login.user, "pass": login.password, "verbose": False,
+               "pedantic": False, "headers": True, "protocol": 1}  # fmt: skip
+    writer.write(f"CONNECT {json.dumps(connect)}\r\nPING\r\n".encode())
+    await writer.drain()
+    await pong(reader)
+    return reader, writer
+
+
+async def pong(reader: asyncio.StreamReader) -> None:
+    """Wait for the server's PONG (skipping the INFO it may send first)."""
+    while not (line := await asyncio.wait_for(reader.readline(), 5)).startswith(b"PONG"):
+        assert line.startswith(b"INFO"), line
+
+
+async def test_an_unreadable_request_deafens_no_service(platform, victim, attacker, attack):
+    """Reply subjects and headers that are not UTF-8 (nats-py raised on them in its read loop,
+    which then stopped: the apiserver heard nothing for minutes): the victim is answered."""
+    inbox = bus.Login.for_token(platform.attacker.token).inbox_prefix.encode()
+    reader, writer = await raw_nats(platform.attacker.url, platform.attacker.token)
+    try:
+        header = b"NATS/1.0 \xff\xff\xff\r\n\r\n"
+        frames = [
+            b"PUB dsec.api.v1.list " + inbox + b".\xff 2\r\n{}\r\n",
+            b"HPUB dsec.api.v1.list " + inbox + b".x %d %d\r\n" % (len(header), len(header) + 2)
+            + header + b"{}\r\n",
+        ]  # fmt: skip
+        for frame in frames:
+            writer.write(frame + b"PING\r\n")
+            await writer.drain()
+            await pong(reader)
+        await asyncio.sleep(0.5)
+        for _ in range(3):
+            assert isinstance(await asyncio.wait_for(victim.list(), 10), list)
+        attack("requests with a reply subject and headers that are not UTF-8", "-",
+               "dropped; the apiserver answers the victim at once")  # fmt: skip
+    finally:
+        writer.close()
