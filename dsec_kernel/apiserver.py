@@ -190,6 +190,8 @@ class ApiServer:
             description="DSec apiserver: sandboxes, commands and files",
             queue_group="apiserver",
             endpoints={bus.api_subject(op): h for op, h in ops.items()},
+            per_caller=self.settings.requests_per_credential,
+            caller_bytes=self.settings.request_bytes_per_credential,
             accept=bus.replies_to_caller,  # never answer into someone else's inbox
         )
         self._tasks = [

@@ -26,6 +26,7 @@ import json
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -387,11 +388,30 @@ class _Endpoints:
     """Runs each request's handler in its own task (nats-py delivers one message at a time
     per subscription) and answers it, turning exceptions into error replies. A request that
     ``accept`` refuses is dropped unanswered before any work (logged at debug level, at most
-    a line a second)."""
+    a line a second).
 
-    def __init__(self, limit: int, accept: Callable[[Request], bool] | None) -> None:
+    At most ``limit`` requests run at once, and at most ``per_caller`` of one credential's
+    (the token a request carries; none: only the total counts), holding at most
+    ``caller_bytes`` of request bodies together (a tenant's queued calls of 16 MiB each would
+    otherwise fill the services' memory). One past any is answered at once with a retryable
+    error, never made to wait: the subscription's callback must not
+    block, or every caller's requests would queue behind one caller's thousands of long
+    waits (a tenant's 20,500 creates with ``wait_s=600`` once held every other tenant's calls
+    for ten minutes)."""
+
+    def __init__(
+        self,
+        limit: int,
+        per_caller: int | None,
+        caller_bytes: int | None,
+        accept: Callable[[Request], bool] | None,
+    ) -> None:
         self.tasks: set[asyncio.Task[None]] = set()
-        self.slots = asyncio.Semaphore(limit)
+        self.limit = limit
+        self.per_caller = per_caller
+        self.caller_bytes = caller_bytes
+        self.running: Counter[str] = Counter()
+        self.holding: Counter[str] = Counter()  # bytes of request bodies in flight
         self.accept = accept
         self.dropped = 0
         self._logged_at = 0.0
@@ -407,37 +427,64 @@ class _Endpoints:
                 self.dropped, req.subject, req._msg.reply,
             )  # fmt: skip
 
+    def _refusal(self, caller: str, size: int) -> errors.DsecError | None:
+        if len(self.tasks) >= self.limit:
+            return errors.Unavailable(
+                f"the service is running {self.limit} requests; retry in a moment"
+            )
+        if self.per_caller is not None and self.running[caller] >= self.per_caller:
+            return errors.QueueFull(
+                f"this credential has {self.per_caller} requests in flight, the most it may; "
+                "wait for some to finish (batch calls take many sandboxes in one)"
+            )
+        if self.caller_bytes is not None and self.holding[caller] + size > self.caller_bytes:
+            return errors.QueueFull(
+                f"this credential's requests in flight hold {self.holding[caller]} bytes; one "
+                f"of {size} more would pass the {self.caller_bytes} it may: wait for some"
+            )
+        return None
+
     def wrap(self, handler: Handler) -> Callable[[Request], Awaitable[None]]:
-        async def run(req: Request) -> None:
+        async def answer(req: Request) -> None:
             try:
-                try:
-                    result = await handler(req)
-                except errors.DsecError as exc:
-                    await _respond_error(req, exc)
-                    return
-                except ValidationError as exc:
-                    await _respond_error(req, errors.InvalidArgument(validation_message(exc)))
-                    return
-                except Exception:  # its text may name host paths or processes: logged only
-                    ref = secrets.token_hex(4)
-                    log.exception("handler for %s failed (ref %s)", req.subject, ref)
-                    await _respond_error(
-                        req, errors.Internal(f"an unexpected failure (ref {ref} in the log)")
-                    )
-                    return
-                data = result if isinstance(result, bytes) else result.model_dump_json().encode()
-                await req.respond(data)
+                result = await handler(req)
+            except errors.DsecError as exc:
+                await _respond_error(req, exc)
+                return
+            except ValidationError as exc:
+                await _respond_error(req, errors.InvalidArgument(validation_message(exc)))
+                return
+            except Exception:  # its text may name host paths or processes: logged only
+                ref = secrets.token_hex(4)
+                log.exception("handler for %s failed (ref %s)", req.subject, ref)
+                await _respond_error(
+                    req, errors.Internal(f"an unexpected failure (ref {ref} in the log)")
+                )
+                return
+            data = result if isinstance(result, bytes) else result.model_dump_json().encode()
+            await req.respond(data)
+
+        async def run(req: Request, caller: str, refusal: errors.DsecError | None) -> None:
+            try:
+                await (answer(req) if refusal is None else _respond_error(req, refusal))
             except Exception:
                 log.exception("could not answer a request on %s", req.subject)
             finally:
-                self.slots.release()
+                self.running[caller] -= 1
+                self.holding[caller] -= 0 if refusal else len(req.data)
+                if not self.running[caller]:
+                    del self.running[caller], self.holding[caller]
 
         async def spawn(req: Request) -> None:
             if self.accept is not None and not self.accept(req):
                 self._drop(req)
                 return
-            await self.slots.acquire()
-            task = asyncio.create_task(run(req))
+            token = (req.headers or {}).get(TOKEN_HEADER)
+            caller = token_key(token) if token else ""
+            refusal = self._refusal(caller, len(req.data))
+            self.running[caller] += 1  # (a refused one too, until its answer is sent)
+            self.holding[caller] += 0 if refusal else len(req.data)
+            task = asyncio.create_task(run(req, caller, refusal))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
@@ -453,12 +500,16 @@ async def serve(
     queue_group: str,
     endpoints: dict[str, Handler],
     concurrency: int = 20_000,
+    per_caller: int | None = None,
+    caller_bytes: int | None = None,
     accept: Callable[[Request], bool] | None = None,
 ) -> tuple[Service, Callable[[], Awaitable[None]]]:
     """Start a NATS micro service with one endpoint per ``{subject: handler}``.
 
     Handlers return a reply message (or raw bytes) or raise a DsecError. A request for which
-    ``accept`` (e.g. :func:`replies_to_caller`) is false gets no reply and runs nothing.
+    ``accept`` (e.g. :func:`replies_to_caller`) is false gets no reply and runs nothing. At
+    most ``concurrency`` requests run at once, ``per_caller`` of one credential's, holding at
+    most ``caller_bytes`` of request bodies; more are refused at once (retryable).
     Returns the service and a ``drain`` coroutine function that stops taking requests and
     waits for those in flight.
     """
@@ -466,7 +517,7 @@ async def serve(
         nc,
         ServiceConfig(name=name, version=version, description=description),
     )
-    runner = _Endpoints(concurrency, accept)
+    runner = _Endpoints(concurrency, per_caller, caller_bytes, accept)
     for subject, handler in endpoints.items():
         await svc.add_endpoint(
             EndpointConfig(

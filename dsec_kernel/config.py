@@ -71,6 +71,12 @@ class ApiSettings(_Common):
     queue_per_tenant: int = Field(
         50_000, ge=0, description="most sandboxes of one tenant waiting for room"
     )
+    requests_per_credential: int = Field(
+        4096, ge=1, description="requests one credential may have in flight (more: queue_full)"
+    )
+    request_bytes_per_credential: int = Field(
+        256 << 20, ge=32 << 20, description="bytes of requests one credential may have in flight"
+    )
     protect_s: float = Field(
         60.0, ge=0, description="a sandbox this close to its ttl is never paused for priority"
     )

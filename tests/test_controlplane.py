@@ -54,10 +54,10 @@ class Platform:
         self.conns.append(nc)
         return nc
 
-    async def add_apiserver(self) -> ApiServer:
+    async def add_apiserver(self, **cfg) -> ApiServer:
         hooks = Hooks.load(guards=[])
         settings = ApiSettings(
-            nats_url=self.url, node_timeout_s=NODE_TIMEOUT, heartbeat_s=HEARTBEAT
+            nats_url=self.url, node_timeout_s=NODE_TIMEOUT, heartbeat_s=HEARTBEAT, **cfg
         )
         api = ApiServer(await self._nc("api"), settings, hooks, LeastLoaded(hooks))
         await api.start()
@@ -448,6 +448,46 @@ async def test_the_queue_of_a_tenant_is_bounded(platform):
     await other.destroy(bobs.result())
     await c.close()
     await other.close()
+
+
+async def test_a_credential_past_its_requests_in_flight_is_refused_at_once(tmp_path):
+    """One tenant's requests that wait (creates queued for room) hold at most its share of
+    the apiserver: one more is refused at once (QueueFull), and another tenant is answered
+    meanwhile."""
+    with NatsServer(tmp_path / "nats") as server:
+        p = Platform(server, tmp_path)
+        try:
+            await p.add_apiserver(requests_per_credential=8)
+            await p.add_edge("e1", **SMALL)
+            alice, bob = await p.tenant("alice"), await p.tenant("bob")
+            full = await alice.create(count=10, backend="noop")
+            waiting = [asyncio.ensure_future(alice.create(backend="noop", wait=3))
+                       for _ in range(8)]  # fmt: skip
+            await asyncio.sleep(0.3)
+            t = time.monotonic()
+            with pytest.raises(errors.QueueFull, match="in flight") as exc:
+                await alice.create(backend="noop", wait=3)
+            assert exc.value.retryable and time.monotonic() - t < 1, "refused, not queued"
+            assert await asyncio.wait_for(bob.list(), 1) == []
+            done = await asyncio.gather(*waiting, return_exceptions=True)
+            assert all(isinstance(d, errors.CapacityExceeded) for d in done), done
+            await alice.destroy(full)  # its requests done: it is answered again
+            await alice.close()
+            await bob.close()
+        finally:
+            await p.close()
+
+
+def test_requests_in_flight_are_bounded_by_count_and_bytes():
+    """The same policy for bytes: a credential's request bodies in flight stay under
+    ``caller_bytes`` (16 MiB calls queued on an edge filled three services' memory)."""
+    runner = bus._Endpoints(10, 3, 100, None)
+    runner.running["a"], runner.holding["a"] = 1, 10
+    assert runner._refusal("a", 90) is None
+    assert isinstance(runner._refusal("a", 91), errors.QueueFull)
+    assert runner._refusal("b", 100) is None  # another credential's own
+    runner.running["a"] = 3
+    assert isinstance(runner._refusal("a", 1), errors.QueueFull)
 
 
 async def test_quotas_limit_sandboxes_cpus_and_memory(platform):
