@@ -12,6 +12,12 @@ When the request at the head of a queue has a higher priority than running sandb
 other jobs, those are paused (reason ``priority``; state kept, memory reclaimed) to make
 room, sparing any within ``protect_s`` of its end. Priority-paused sandboxes are resumed,
 highest priority first, when the queue is empty and room is back.
+
+A tenant chooses its jobs' priorities, so between tenants what counts is a job's *standing*:
+its priority, but no higher than the tenant's ceiling (its quota's ``max_priority``, else
+``priority_ceiling``: 0 unless the operator grants more). Queues are ordered by standing,
+then arrival; a tenant's sandbox is paused for another tenant's request only if that
+request stands higher. Within a tenant, priorities order its own work as asked.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ class Admitted:
 
 @dataclass(order=True)
 class _Waiter:
-    order: tuple[int, int]  # (-priority, arrival)
+    order: tuple[int, int]  # (-standing, arrival)
     tenant: str = field(compare=False)
     count: int = field(compare=False)
     priority: int = field(compare=False)
@@ -88,6 +94,13 @@ class Admission:
         return self.quotas
 
     # -- quotas ------------------------------------------------------------------------------
+
+    def standing(self, tenant: str, priority: int) -> int:
+        """What ``priority`` counts for against other tenants' work (module docstring)."""
+        assert self.quotas is not None
+        quota = self.quotas.get(tenant)
+        ceiling = quota.max_priority if quota and quota.max_priority is not None else None
+        return min(priority, self.settings.priority_ceiling if ceiling is None else ceiling)
 
     def charge(self, spec: SandboxSpec | None) -> tuple[float, float]:
         """(CPUs, MiB) a sandbox of ``spec`` counts against its tenant's quota."""
@@ -182,7 +195,7 @@ class Admission:
                 f"{limit}); retry when some are created, or ask for fewer at once"
             )
         waiter = _Waiter(
-            (-priority, next(self._arrivals)), tenant, count, priority,
+            (-self.standing(tenant, priority), next(self._arrivals)), tenant, count, priority,
             asyncio.get_running_loop().create_future(),
         )  # fmt: skip
         heapq.heappush(queue, waiter)
@@ -232,7 +245,7 @@ class Admission:
             return
         head.preempted_at = now
         need = head.count - max(0, self.free(backend))
-        victims = self._victims(backend, head.priority)[:need]
+        victims = self._victims(backend, head.tenant, head.priority)[:need]
         if not victims:
             return
         log.info(
@@ -243,10 +256,12 @@ class Admission:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _victims(self, backend: str, priority: int) -> list[SandboxInfo]:
-        """Running sandboxes of jobs below ``priority``, lowest priority first, sparing
+    def _victims(self, backend: str, tenant: str, priority: int) -> list[SandboxInfo]:
+        """Running sandboxes a request of ``tenant`` at ``priority`` may pause: its own jobs'
+        below ``priority``, other tenants' standing below its standing; lowest first, sparing
         those near their end."""
         end = time.time() + self.settings.protect_s
+        standing = self.standing(tenant, priority)
         found: list[tuple[int, float, SandboxInfo]] = []
         for info, _ in self.api.sandboxes.items.values():
             if info.state != "ready" or info.backend != backend or not info.job or info.in_pool:
@@ -255,8 +270,10 @@ class Admission:
                 continue
             job = self.api.leases.job(info.tenant, info.job)
             p = job.priority if job else 0
-            if p < priority:
+            if info.tenant == tenant and p < priority:
                 found.append((p, -info.created_at, info))
+            elif info.tenant != tenant and (s := self.standing(info.tenant, p)) < standing:
+                found.append((s, -info.created_at, info))
         found.sort(key=lambda x: (x[0], x[1]))
         return [info for _, _, info in found]
 
@@ -272,7 +289,8 @@ class Admission:
             if hit is not None:
                 info = hit[0]
                 job = self.api.leases.job(info.tenant, info.job) if info.job else None
-                paused[info.backend].append((job.priority if job else 0, info))
+                p = self.standing(info.tenant, job.priority if job else 0)
+                paused[info.backend].append((p, info))
         for backend, items in paused.items():
             room = self.free(backend)
             if backend in waiting or room <= 0:

@@ -80,6 +80,13 @@ class ApiSettings(_Common):
     protect_s: float = Field(
         60.0, ge=0, description="a sandbox this close to its ttl is never paused for priority"
     )
+    priority_ceiling: int = Field(
+        0,
+        ge=0,
+        le=100,
+        description="highest priority a tenant's jobs have over other tenants' "
+        "work, unless its quota's max_priority says otherwise",
+    )
     quota_default_cpus: float = Field(1.0, gt=0, description="quota charge without a CPU limit")
     quota_default_memory_mb: int = Field(
         2048, gt=0, description="quota charge without a memory limit"

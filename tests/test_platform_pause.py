@@ -10,7 +10,10 @@ import pytest
 from dsec_backend_container.backend import ContainerBackend
 
 import dsec_kernel as dsec
-from dsec_kernel import errors
+from dsec_kernel import bus, errors
+from dsec_kernel.cluster import ensure_tenant
+from dsec_kernel.state import ClusterState
+from dsec_kernel.wire import Quota
 
 REASON = ContainerBackend.unavailable_reason()
 pytestmark = pytest.mark.skipif(
@@ -164,6 +167,45 @@ async def test_a_higher_priority_job_pauses_lower_ones_to_get_room(local_cluster
             await asyncio.sleep(0.1)
         assert [r.stdout for r in await c.exec_many(lows, "cat /tmp/f")] == [b"mine\n"] * 3
         await low.close()
+
+
+async def _set_quota(cluster, tenant: str, quota: Quota) -> None:
+    nc = await bus.connect(cluster.url, name="operator")
+    try:
+        state = await ClusterState.open(nc)
+        await state.quotas.put(tenant, quota.model_dump_json().encode())
+    finally:
+        await nc.close()
+
+
+async def test_another_tenants_priority_pauses_nothing_unless_the_operator_grants_it(
+    local_cluster, busybox_env
+):
+    """Priorities are the tenant's to choose, so against other tenants a job counts only up
+    to its tenant's ceiling (0 by default): a priority-100 job of another tenant neither
+    pauses the victim's sandboxes nor jumps its queue, until the operator raises that
+    tenant's max_priority."""
+    cluster = local_cluster({**busybox_env, "DSEC_BACKEND_CONFIG__CONTAINER__MAX_SANDBOXES": "3"})
+    cluster.start_apiserver()
+    cluster.start_edge("e", ["container"], "--heartbeat", "0.2")
+    await cluster.ready()
+    mallory = await ensure_tenant(cluster.url, "mallory", client_url=cluster.nats.client_url)
+    async with (
+        cluster.client() as victim,
+        dsec.AsyncClient(url=mallory.url, token=mallory.token) as m,
+        victim.job("train", priority=0, lease_s=60) as job,
+        m.job("jump", priority=100, lease_s=60) as theirs,
+    ):
+        mine = await job.create(count=3, backend="container", env=BUSYBOX)
+        with pytest.raises(errors.CapacityExceeded):
+            await theirs.create(backend="container", env=BUSYBOX, wait=3)
+        assert {(await sb.status()).state for sb in mine} == {"ready"}
+        await _set_quota(cluster, "mallory", Quota(max_priority=100))
+        await asyncio.sleep(1)  # the apiserver's mirror of quotas
+        (got,) = await theirs.create(backend="container", env=BUSYBOX, wait=20)
+        states = [(await sb.status()).state for sb in mine]
+        assert states.count("paused") == 1, states  # granted: it stands higher now
+        await m.destroy([got])
 
 
 async def test_the_cli_pauses_resumes_and_lists_why(cluster):

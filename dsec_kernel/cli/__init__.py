@@ -81,6 +81,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--sandboxes", type=int, help="quota: most sandboxes at once")
     s.add_argument("--cpus", type=float, help="quota: most CPUs (sum of the sandboxes' limits)")
     s.add_argument("--memory-mb", type=int, help="quota: most memory (sum of their limits)")
+    s.add_argument(
+        "--max-priority",
+        type=int,
+        help="quota: highest priority its jobs have over other tenants' work",
+    )
 
     s = sub.add_parser("layer", help="manage layers in the layer store (DSEC_STORAGE_CONFIG__ROOT)")
     lsub = s.add_subparsers(dest="layer_cmd", required=True, metavar="ACTION")
@@ -197,7 +202,8 @@ async def _cmd_tenant(args: argparse.Namespace) -> int:
     name = args.name
     if args.action != "logins" and not name:
         raise errors.InvalidArgument(f"give the tenant: dsec tenant {args.action} NAME")
-    quota = Quota(sandboxes=args.sandboxes, cpus=args.cpus, memory_mb=args.memory_mb)
+    quota = Quota(sandboxes=args.sandboxes, cpus=args.cpus, memory_mb=args.memory_mb,
+                  max_priority=args.max_priority)  # fmt: skip
     url, login = _service_login(args)
     nc = await bus.connect(url, name="dsec-cli", login=login)
     try:

@@ -172,6 +172,14 @@ class Quota(BaseModel):
     sandboxes: int | None = Field(None, ge=0)
     cpus: float | None = Field(None, ge=0, description="sum of the sandboxes' CPU limits")
     memory_mb: int | None = Field(None, ge=0, description="sum of their memory limits")
+    max_priority: int | None = Field(
+        None,
+        ge=0,
+        le=100,
+        description="highest priority its jobs have over other tenants' "
+        "work (None: the apiserver's priority_ceiling, 0 by default); their own priorities "
+        "still order its own work",
+    )
 
 
 class StatusRequest(Message):
