@@ -126,6 +126,22 @@ class Admission:
         if old is not None:
             _add(self._usage[old[0]], -1, -old[1], -old[2])
 
+    def quota_room(self, tenant: str, spec: SandboxSpec) -> int | None:
+        """How many more sandboxes of ``spec`` the tenant's quota allows (None: no limit)."""
+        assert self.quotas is not None
+        quota = self.quotas.get(tenant)
+        if quota is None:
+            return None
+        cpus, mb = self.charge(spec)
+        used = [a + b for a, b in zip(self._usage[tenant], self._pending[tenant], strict=True)]
+        room = [
+            (limit - have) // each
+            for have, each, limit in ((used[0], 1, quota.sandboxes), (used[1], cpus, quota.cpus),
+                                      (used[2], mb, quota.memory_mb))
+            if limit is not None
+        ]  # fmt: skip
+        return max(0, int(min(room))) if room else None
+
     def _check_quota(self, tenant: str, spec: SandboxSpec, count: int) -> tuple[float, float]:
         assert self.quotas is not None
         cpus, mb = self.charge(spec)

@@ -24,7 +24,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from dsec_kernel import __version__, bus, errors
-from dsec_kernel.admission import Admission
+from dsec_kernel.admission import Admission, Admitted
 from dsec_kernel.config import ApiSettings
 from dsec_kernel.leases import Leases
 from dsec_kernel.placement import NodeView, PlacementPolicy, PlacementRequest
@@ -401,6 +401,14 @@ class ApiServer:
         r = CreateRequest.model_validate_json(req.data)
         if r.request_id and (done := self._created_by(tenant, r.request_id)):
             return CreateResponse(sandboxes=done)  # sent again (a reconnect): not made twice
+        created, held = await self.admit_and_create(tenant, r)
+        return CreateResponse(sandboxes=created, queued_s=held.waited, queue_position=held.position)
+
+    async def admit_and_create(
+        self, tenant: str, r: CreateRequest, pool: str | None = None, in_pool: bool = False
+    ) -> tuple[list[SandboxInfo], Admitted]:
+        """Every create's way in: through admission (the tenant's quota, the queue, its
+        job's priority) for up to ``r.wait_s``, then :meth:`create_sandboxes`."""
         self.check_spec(tenant, r.spec)
         job = self.leases.job(tenant, r.spec.job) if r.spec.job else None
         priority = job.priority if job else 0
@@ -409,13 +417,14 @@ class ApiServer:
             wait = max(0.0, deadline - time.monotonic())
             async with self.admission.admitted(tenant, r.spec, r.count, wait, priority) as held:
                 try:
-                    created = await self.create_sandboxes(tenant, r, on_placed=held.placed)
-                    break
+                    made = await self.create_sandboxes(
+                        tenant, r, pool=pool, in_pool=in_pool, on_placed=held.placed
+                    )
+                    return made, held
                 except errors.CapacityExceeded:  # the nodes filled up between admission and
                     if time.monotonic() >= deadline:  # placement: queue again while time is left
                         raise
             await asyncio.sleep(0.05)
-        return CreateResponse(sandboxes=created, queued_s=held.waited, queue_position=held.position)
 
     async def create_sandboxes(
         self,

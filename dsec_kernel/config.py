@@ -68,6 +68,7 @@ class ApiSettings(_Common):
     edge_timeout_s: float = Field(30.0, gt=0, description="longest wait for an edge's answer")
     lease_check_s: float = Field(0.5, gt=0, description="how often job leases are checked")
     pool_fill_s: float = Field(0.5, gt=0, description="how often warm pools are refilled")
+    pools_per_tenant: int = Field(64, ge=1, description="most warm pools one tenant may open")
     queue_per_tenant: int = Field(
         50_000, ge=0, description="most sandboxes of one tenant waiting for room"
     )

@@ -89,6 +89,12 @@ class Pools:
             raise errors.InvalidArgument(f"max_size {info.max_size} is below size {info.size}")
         if old is not None and old.spec != r.spec:
             raise errors.Conflict(f"pool {r.name} exists with another spec; close it first")
+        limit = self.api.settings.pools_per_tenant
+        assert self.pools is not None
+        if old is None and sum(p.tenant == tenant for p, _ in self.pools.items.values()) >= limit:
+            raise errors.QuotaExceeded(
+                f"tenant {tenant} has {limit} pools, the most it may; close one first"
+            )
         assert self.api.state is not None
         await self.api.state.pools.put(_key(tenant, r.name), info.model_dump_json().encode())
         return self._view(info)
@@ -108,7 +114,7 @@ class Pools:
         missing = r.count - len(taken)
         if missing:
             self._misses[_key(tenant, r.name)].append((time.monotonic(), missing))
-            made = await self.api.create_sandboxes(
+            made, _ = await self.api.admit_and_create(  # the tenant's quota holds here too
                 tenant, CreateRequest(spec=pool.spec, count=missing), pool=r.name
             )
             taken += made
@@ -159,16 +165,21 @@ class Pools:
                 )  # fmt: skip
             except Exception:
                 continue
-            self._fills[key] = asyncio.create_task(self._fill(key, pool, min(want, FILL_STEP)))
+            room = self.api.admission.quota_room(pool.tenant, pool.spec)
+            count = min(want, FILL_STEP, want if room is None else room)
+            if count > 0:
+                self._fills[key] = asyncio.create_task(self._fill(key, pool, count))
 
     async def _fill(self, key: str, pool: PoolInfo, count: int) -> None:
         try:
-            made = await self.api.create_sandboxes(
-                pool.tenant, CreateRequest(spec=pool.spec, count=count), pool=pool.name,
-                in_pool=True,
+            made, _ = await self.api.admit_and_create(  # only into room free now, in quota
+                pool.tenant, CreateRequest(spec=pool.spec, count=count, wait_s=0),
+                pool=pool.name, in_pool=True,
             )  # fmt: skip
             if self._pool(pool.tenant, pool.name) is None:  # closed meanwhile
                 await self.api.destroy_sandboxes(made)
+        except (errors.CapacityExceeded, errors.QuotaExceeded) as exc:
+            log.debug("pool %s of %s not filled now: %s", pool.name, pool.tenant, exc)
         except errors.DsecError as exc:
             log.warning("filling pool %s of %s failed: %s", pool.name, pool.tenant, exc)
         finally:

@@ -512,5 +512,28 @@ async def test_quotas_limit_sandboxes_cpus_and_memory(platform):
     await c.close()
 
 
+async def test_pools_fill_and_hand_out_within_the_quota(platform):
+    """A warm pool is the tenant's sandboxes like any others: its fills and acquires pass
+    admission, so the quota holds (a pool of 10 under a quota of 2 gave 40 sandboxes)."""
+    platform.apis[0].settings.pools_per_tenant = 2
+    await platform.add_edge("e1")
+    state = await ClusterState.open(await platform._nc("admin"))
+    await state.quotas.put("alice", Quota(sandboxes=2).model_dump_json().encode())
+    c = await platform.tenant("alice")
+    await until(lambda: _has_quota(platform))
+    pool = await c.pool(backend="noop", size=10)
+    await asyncio.sleep(1.5)  # three refill rounds
+    assert len(await c.list()) == 2, "filled up to the quota, not the pool's size"
+    taken = await pool.acquire_many(2)
+    with pytest.raises(errors.QuotaExceeded, match="sandboxes"):
+        await pool.acquire_many(20)
+    await c.pool(backend="noop", size=1, name="second")
+    with pytest.raises(errors.QuotaExceeded, match="pools"):
+        await c.pool(backend="noop", size=1, name="third")
+    await c.destroy(taken)
+    await pool.close()
+    await c.close()
+
+
 async def _has_quota(platform) -> bool:
     return platform.apis[0].admission.quotas.get("alice") is not None
