@@ -555,11 +555,14 @@ class ApiServer:
         error: errors.DsecError | None = None
         for (node, items), res in zip(groups.items(), results, strict=True):
             if isinstance(res, BaseException):
+                # the edge may have made them all the same (its answer timed out, or was too
+                # big to send): they are destroyed there, and the retry makes new ones
+                await self._rollback_ids(node, [sb.id for sb in items])
                 if not isinstance(res, errors.DsecError):
                     raise res
                 error = res
                 excluded.add(node)
-                retry += items
+                retry += [sb.model_copy(update={"id": new_sandbox_id()}) for sb in items]
                 continue
             created += res.created
             by_id = {sb.id: sb for sb in items}
@@ -574,11 +577,15 @@ class ApiServer:
     async def _rollback(self, created: list[SandboxInfo]) -> None:
         """Destroy sandboxes of a create that failed as a whole."""
         for node, ids in ids_by_node(created).items():
-            data = DestroyRequest(ids=ids).model_dump_json().encode()
-            try:
-                await self._edge(node, "destroy", data, self.settings.edge_timeout_s)
-            except errors.DsecError as exc:  # the edge's reconciliation removes them later
-                log.warning("rollback on %s failed (%s); its edge will reconcile", node, exc)
+            await self._rollback_ids(node, ids)
+
+    async def _rollback_ids(self, node: str, ids: list[str]) -> None:
+        """Destroy ``ids`` on ``node`` (made or not: destroy is idempotent)."""
+        data = DestroyRequest(ids=ids).model_dump_json().encode()
+        try:
+            await self._edge(node, "destroy", data, self.settings.edge_timeout_s)
+        except errors.DsecError as exc:  # the edge's reconciliation removes them later
+            log.warning("rollback on %s failed (%s); its edge will reconcile", node, exc)
 
     async def _destroy(self, req: bus.Request) -> DestroyResponse:
         tenant = await self._auth(req)

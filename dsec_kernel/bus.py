@@ -527,6 +527,7 @@ async def serve(
                 handler=runner.wrap(handler),
             )
         )
+    await nc.flush()  # subscribed at the server on return: a request sent now finds us
 
     async def drain() -> None:
         try:  # unsubscribing waits on the server: bounded, for when NATS is gone

@@ -142,6 +142,8 @@ class Edge:
         self.sandboxes: dict[str, SandboxInfo] = {}
         self._counts: Counter[str] = Counter()
         self._born: dict[str, float] = {}  # sandbox id -> when this edge created it (monotonic)
+        self._creating: set[str] = set()  # ids whose backend create is under way
+        self._doomed: set[str] = set()  # of those, ids destroyed meanwhile
         self.paused: dict[str, str] = {}  # sandbox id -> why (a PAUSE_REASONS value)
         self._reclaimed: dict[str, int] = {}  # paused sandbox id -> bytes its pause gave back
         self._busy: Counter[str] = Counter()  # sandbox id -> commands running in it
@@ -384,15 +386,23 @@ class Edge:
     async def _create_one(self, sb: EdgeSandbox) -> SandboxInfo | errors.DsecError:
         if sb.id in self.sandboxes:
             return self.sandboxes[sb.id]
+        self._creating.add(sb.id)
         try:
             backend = self._backend(sb.spec.backend)
             async with self._create_slots[sb.spec.backend]:
                 status = await backend.create(sb)
         except errors.DsecError as exc:
             return exc
-        except Exception as exc:
+        except Exception:
             log.exception("creating %s failed", sb.id)
-            return errors.Internal(f"creating {sb.id} on {self.node} failed: {exc}")
+            return errors.Internal(f"creating {sb.id} on {self.node} failed")
+        finally:
+            self._creating.discard(sb.id)
+            doomed = sb.id in self._doomed
+            self._doomed.discard(sb.id)
+        if doomed:  # its creator gave up on it (a timeout) and destroyed it meanwhile
+            await backend.destroy(SandboxRef(sandbox_id=sb.id))
+            return errors.Conflict(f"sandbox {sb.id} was destroyed while it was being made")
         info = SandboxInfo(
             id=sb.id,
             tenant=sb.tenant,
@@ -422,6 +432,7 @@ class Edge:
         # ids this edge does not know may still hold something in a backend (one lost while
         # its report was on its way, say): every backend's destroy is idempotent
         unknown = [i for i, info in found if info is None]
+        self._doomed.update(i for i in unknown if i in self._creating)  # destroyed once made
         await asyncio.gather(
             *(b.destroy(SandboxRef(sandbox_id=i)) for i in unknown for b in self.backends.values())
         )

@@ -188,6 +188,8 @@ async def test_bad_input_gets_typed_errors_and_changes_nothing(platform):
         await c.create(count=0, backend="noop")
     with pytest.raises(errors.InvalidArgument, match="ttl_s"):
         await c.create(count=1, backend="noop", ttl=-5)
+    with pytest.raises(errors.InvalidArgument, match="labels"):
+        await c.create(count=1, backend="noop", labels={"k": "v" * 257})
     forked = SandboxSpec(backend="noop", snapshot="snap-" + "0" * 16)
     with pytest.raises(errors.Unsupported, match="snapshot"):
         await c._call("create", CreateRequest(spec=forked), CreateResponse)
@@ -262,6 +264,39 @@ async def test_a_failed_create_leaves_nothing_behind(platform):
         await c.create(count=5000, backend="noop", wait=0)
     assert exc.value.retryable and flaky.ids == set()
     await c.close()
+
+
+class Slow(Flaky):
+    """Takes ``delay`` seconds per create."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(fail_at=0)
+        self.delay = delay
+
+    async def create(self, sandbox: EdgeSandbox) -> SandboxStatus:
+        await asyncio.sleep(self.delay)
+        return await super().create(sandbox)
+
+
+async def test_a_create_whose_answer_times_out_leaves_nothing_on_the_node(tmp_path):
+    """The apiserver gives up on an edge that answers too late; what the edge makes all the
+    same is destroyed there at once, not left to its reconciliation minutes later (nor
+    counted by no quota meanwhile)."""
+    with NatsServer(tmp_path / "nats") as server:
+        p = Platform(server, tmp_path)
+        try:
+            await p.add_apiserver(edge_timeout_s=0.5)
+            slow = Slow(delay=1.5)
+            await p.add_edge("e1", backends={"noop": slow})
+            c = await p.tenant("alice")
+            with pytest.raises(errors.DsecError):
+                await c.create(count=3, backend="noop", wait=0)
+            await asyncio.sleep(2.0)  # the edge finishes making them
+            assert slow.made == 3 and slow.ids == set(), slow.ids
+            assert await c.list() == []
+            await c.close()
+        finally:
+            await p.close()
 
 
 async def test_ttl_destroys_expired_sandboxes(platform):

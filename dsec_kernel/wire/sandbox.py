@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from dsec_kernel.wire.base import Error, Message, Name, SandboxId
 
@@ -52,6 +52,12 @@ class Limits(BaseModel):
     )
 
 
+#: labels: at most 64, keys of 1-128 characters, values of at most 256 (a sandbox's labels
+#: are in its record, which every apiserver mirrors)
+LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+LabelValue = Annotated[str, StringConstraints(max_length=256)]
+Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=64)]
+
 LayerRef = Annotated[
     str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}:[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 ]
@@ -91,7 +97,7 @@ class SandboxSpec(BaseModel):
     )
     job: Name | None = Field(None, description="the job (trainer lease) it belongs to")
     limits: Limits = Field(default_factory=Limits)
-    labels: dict[str, str] = Field(default_factory=dict, max_length=64)
+    labels: Labels = Field(default_factory=dict)
     env: Env | None = Field(None, description="layers to compose (container, VM backends)")
     network: Literal["none", "egress"] = Field(
         "none", description="none: no interface but lo; egress: a veth to the node's bridge"
@@ -189,7 +195,7 @@ class StatusRequest(Message):
 
 class ListRequest(Message):
     type: Literal["io.dsec.sandbox.v1.list_request"] = "io.dsec.sandbox.v1.list_request"
-    labels: dict[str, str] = Field(default_factory=dict, description="only sandboxes with these")
+    labels: Labels = Field(default_factory=dict, description="only sandboxes with these")
 
 
 class ListResponse(Message):
