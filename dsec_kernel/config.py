@@ -109,6 +109,9 @@ class EdgeSettings(_Common):
     create_concurrency: int = Field(64, ge=1, description="sandboxes created at once per backend")
     reconcile_s: float = Field(60.0, gt=0, description="interval between reconciliations")
     idle_check_s: float = Field(1.0, gt=0, description="how often idle sandboxes are looked for")
+    trajectory_mb_per_tenant: int = Field(
+        1024, ge=1, description="a tenant's trajectory stream (its oldest entries go first)"
+    )
     trajectory_output_bytes: int = Field(
         65536, ge=0, description="stdout and stderr kept per command in the trajectory"
     )

@@ -167,7 +167,9 @@ class Edge:
 
     async def start(self) -> None:
         self.state = await ClusterState.open(self.nc, replicas=self.settings.kv_replicas)
-        self.trajectory = Trajectory(self.state.js)
+        self.trajectory = Trajectory(
+            self.state.js, self.settings.kv_replicas, self.settings.trajectory_mb_per_tenant
+        )
         self.replays = Replays(self.trajectory)
         for name, backend in self.backends.items():
             self.hooks.register(backend)

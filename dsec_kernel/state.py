@@ -35,7 +35,6 @@ from nats.js.kv import KeyValue
 
 from dsec_kernel import errors
 from dsec_kernel.bus import token_key
-from dsec_kernel.trajectory import ensure_stream
 from dsec_kernel.wire import NAME_PATTERN, JobInfo, NodeInfo, SandboxInfo
 
 __all__ = [
@@ -219,8 +218,6 @@ class ClusterState:
                     )
                 except nats.js.errors.BadRequestError:  # another process created it meanwhile
                     kvs[bucket] = await js.key_value(bucket)
-        if create:
-            await ensure_stream(js, replicas)
         return cls(js, kvs)
 
     # -- tenants -----------------------------------------------------------------------------

@@ -1,14 +1,19 @@
 """Sandbox trajectories: every command run in a sandbox, with its result, in order.
 
-They live in the JetStream stream ``dsec-trajectory``, one subject per sandbox
-(``dsec.traj.<tenant>.<sandbox id>``), so they outlive the node that ran the commands (a
-lost sandbox can be rebuilt from its last snapshot plus the commands after it) and the
-sandbox itself (provenance, for the stream's ``max_age``). Edges append; apiservers read.
+They live in JetStream, one stream per tenant (``dsec-traj-<tenant>``), one subject per
+sandbox (``dsec.trajectory.<tenant>.<sandbox id>``), so they outlive the node that ran the
+commands (a lost sandbox can be rebuilt from its last snapshot plus the commands after it)
+and the sandbox itself (provenance, for the stream's ``max_age``). Edges append, making a
+tenant's stream on its first entry; apiservers read. A tenant's stream holds at most its own
+share of bytes, its oldest entries going first: one tenant logging a lot forgets its own
+history, never another's (in one shared stream, a tenant's 400 commands of 20 MiB each had
+erased every tenant's history and the request ids behind exactly-once commands).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 import nats.js.errors
 from nats.js import api
@@ -16,66 +21,84 @@ from nats.js.client import JetStreamContext
 
 from dsec_kernel.wire import CommandRecord, ExecResult
 
-__all__ = ["STREAM", "Replays", "Trajectory", "ensure_stream", "subject"]
+__all__ = ["READ_BYTES", "Replays", "Trajectory", "stream", "subject"]
 
-STREAM = "dsec-trajectory"
+
+#: most bytes of entries one read keeps (the newest)
+READ_BYTES = 32 << 20
+
+
+def stream(tenant: str) -> str:
+    return f"dsec-traj-{tenant}"
 
 
 def subject(tenant: str, sandbox_id: str) -> str:
-    return f"dsec.traj.{tenant}.{sandbox_id}"
-
-
-async def ensure_stream(
-    js: JetStreamContext, replicas: int = 1, max_age_s: float = 86400.0, max_gib: float = 8.0
-) -> None:
-    """Create the stream if it does not exist (oldest entries go first when it is full)."""
-    try:
-        await js.stream_info(STREAM)
-        return
-    except nats.js.errors.NotFoundError:
-        pass
-    config = api.StreamConfig(
-        name=STREAM,
-        subjects=["dsec.traj.>"],
-        storage=api.StorageType.FILE,
-        num_replicas=replicas,
-        max_age=max_age_s,
-        max_bytes=int(max_gib * (1 << 30)),
-        discard=api.DiscardPolicy.OLD,
-    )
-    try:
-        await js.add_stream(config)
-    except nats.js.errors.BadRequestError:  # another process created it meanwhile
-        pass
+    return f"dsec.trajectory.{tenant}.{sandbox_id}"
 
 
 class Trajectory:
-    """Appends to and reads the trajectory stream."""
+    """Appends to and reads the tenants' trajectory streams (made with ``replicas`` copies,
+    at most ``max_mb`` each, entries kept ``max_age_s``)."""
 
-    def __init__(self, js: JetStreamContext) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        replicas: int = 1,
+        max_mb: int = 1024,
+        max_age_s: float = 86400.0,
+    ) -> None:
         self.js = js
+        self.config = dict(replicas=replicas, max_bytes=max_mb << 20, max_age=max_age_s)
+        self._made: set[str] = set()
+
+    async def _ensure(self, tenant: str) -> None:
+        if tenant in self._made:
+            return
+        config = api.StreamConfig(
+            name=stream(tenant),
+            subjects=[f"dsec.trajectory.{tenant}.>"],
+            storage=api.StorageType.FILE,
+            num_replicas=self.config["replicas"],
+            max_age=self.config["max_age"],
+            max_bytes=self.config["max_bytes"],
+            discard=api.DiscardPolicy.OLD,
+        )
+        try:
+            await self.js.add_stream(config)
+        except nats.js.errors.BadRequestError:  # made meanwhile, or before
+            pass
+        self._made.add(tenant)
 
     async def append(self, tenant: str, sandbox_id: str, record: CommandRecord) -> int:
         """Store one entry (acknowledged by JetStream); returns its sequence number."""
+        await self._ensure(tenant)
         data = record.model_dump_json(exclude={"seq"}).encode()
-        ack = await self.js.publish(subject(tenant, sandbox_id), data, stream=STREAM)
+        ack = await self.js.publish(subject(tenant, sandbox_id), data, stream=stream(tenant))
         return ack.seq
 
-    async def read(self, tenant: str, sandbox_id: str) -> list[CommandRecord]:
-        """Every entry still kept, oldest first, ``seq`` set."""
-        sub = await self.js.subscribe(
-            subject(tenant, sandbox_id),
-            ordered_consumer=True,
-            deliver_policy=api.DeliverPolicy.ALL,
-            pending_msgs_limit=-1,
-            pending_bytes_limit=-1,
-        )
+    async def read(
+        self, tenant: str, sandbox_id: str, max_bytes: int = READ_BYTES
+    ) -> list[CommandRecord]:
+        """The newest entries still kept, oldest first, ``seq`` set: as many as fit in
+        ``max_bytes`` (what one reply can carry; reading is never unbounded)."""
+        try:
+            sub = await self.js.subscribe(
+                subject(tenant, sandbox_id),
+                stream=stream(tenant),
+                ordered_consumer=True,
+                deliver_policy=api.DeliverPolicy.ALL,
+                pending_msgs_limit=-1,
+                pending_bytes_limit=-1,
+            )
+        except nats.js.errors.NotFoundError:  # nothing logged for the tenant yet
+            return []
         try:
             info = await sub.consumer_info()
             sent = info.delivered.consumer_seq if info.delivered else 0
             if info.num_pending == 0 and not sent:
                 return []
-            out: list[CommandRecord] = []
+            out: deque[tuple[int, CommandRecord]] = deque()
+            held = 0
             while True:
                 try:
                     msg = await sub.next_msg(timeout=10)
@@ -83,10 +106,13 @@ class Trajectory:
                     break
                 rec = CommandRecord.model_validate_json(msg.data)
                 rec.seq = msg.metadata.sequence.stream
-                out.append(rec)
+                out.append((len(msg.data), rec))
+                held += len(msg.data)
+                while held > max_bytes and out:
+                    held -= out.popleft()[0]
                 if msg.metadata.num_pending == 0:
                     break
-            return out
+            return [rec for _, rec in out]
         finally:
             await sub.unsubscribe()
 

@@ -115,3 +115,31 @@ async def test_a_lost_sandbox_is_rebuilt_from_its_snapshot_and_replayed(cluster)
         await new.destroy()
         cluster.start_edge("a", ["container"], "--heartbeat", "0.2")  # the node comes back:
         await cluster.ready()  # its edge removes what the dead one left (reconciliation)
+
+
+async def test_a_tenant_logging_a_lot_forgets_its_own_history_not_anothers(
+    local_cluster, busybox_env
+):
+    """Each tenant's trajectory is a stream of its own, of bounded size (1 MiB here): one
+    that logs 4 MiB of commands loses its oldest entries; the victim's log is whole."""
+    cluster = local_cluster({**busybox_env, "DSEC_TRAJECTORY_MB_PER_TENANT": "1"})
+    cluster.start_apiserver()
+    cluster.start_edge("e", ["container"], "--heartbeat", "0.2")
+    await cluster.ready()
+    mallory = await ensure_tenant(cluster.url, "mallory", client_url=cluster.nats.client_url)
+    async with (
+        cluster.client() as victim,
+        dsec.AsyncClient(url=mallory.url, token=mallory.token) as m,
+    ):
+        (mine,) = await victim.create(backend="container", env=BUSYBOX)
+        await mine.exec("echo kept")
+        (theirs,) = await m.create(backend="container", env=BUSYBOX)
+        big = {"X": "y" * (512 << 10)}  # 0.5 MiB of environment per command
+        for _ in range(8):
+            await theirs.exec("true", env=big)
+        assert len(await theirs.trajectory()) < 8  # its own oldest went
+        assert [r.stdout for r in await mine.trajectory()] == [b"kept\n"]
+        with pytest.raises(errors.InvalidArgument, match="at most"):
+            await theirs.exec("true", env={"X": "y" * (1 << 20)})
+        await victim.destroy([mine])
+        await m.destroy([theirs])

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from dsec_kernel.wire.base import SANDBOX_ID_PATTERN, Error, Message, SandboxId
 from dsec_kernel.wire.sandbox import MAX_BATCH, Limits
 
 __all__ = [
     "DEFAULT_MAX_OUTPUT",
+    "MAX_COMMAND_LINE",
     "MAX_FILE_BYTES",
     "MAX_OUTPUT",
     "MAX_RESPONSE_OUTPUT",
@@ -33,6 +34,8 @@ DEFAULT_MAX_OUTPUT = 1 << 20
 MAX_OUTPUT = 8 << 20
 #: Largest file one read_file / write_file moves.
 MAX_FILE_BYTES = 16 << 20
+#: Most characters of a command's argv, env and cwd together (Linux takes 2 MiB at most)
+MAX_COMMAND_LINE = 1 << 20
 #: Most output one ExecResponse carries over all its results (it must fit one NATS message).
 MAX_RESPONSE_OUTPUT = 24 << 20
 
@@ -112,6 +115,17 @@ class ExecRequest(Message):
         if any("\0" in a for a in ([command] if isinstance(command, str) else command)):
             raise ValueError("command contains a NUL byte")
         return command
+
+    @model_validator(mode="after")
+    def _fits_a_command_line(self) -> ExecRequest:
+        words = [self.command] if isinstance(self.command, str) else self.command
+        size = sum(len(w) for w in words) + sum(len(k) + len(v) for k, v in self.env.items())
+        if size + len(self.cwd or "") > MAX_COMMAND_LINE:
+            raise ValueError(
+                f"command, env and cwd hold {size} characters; at most {MAX_COMMAND_LINE} "
+                "(pass data on stdin or in a file)"
+            )
+        return self
 
 
 class ExecResult(Message):
