@@ -104,9 +104,18 @@ class ApiServer:
     """``await start()`` to serve; ``await stop()`` drains requests in flight."""
 
     def __init__(
-        self, nc: NATS, settings: ApiSettings, hooks: Hooks, policy: PlacementPolicy
+        self,
+        nc: NATS,
+        settings: ApiSettings,
+        hooks: Hooks,
+        policy: PlacementPolicy,
+        api_nc: NATS | None = None,
     ) -> None:
+        """``nc`` carries the cluster's state and the edges' calls; ``api_nc`` (default
+        ``nc``) the tenants' requests, so that a tenant flooding the API, should NATS drop
+        that connection as a slow consumer, does not also cut the state mirrors."""
         self.nc = nc
+        self.api_nc = api_nc or nc
         self.settings = settings
         self.hooks = hooks
         self.policy = policy
@@ -184,7 +193,7 @@ class ApiServer:
             },
         }
         _, self._drain = await bus.serve(
-            self.nc,
+            self.api_nc,
             name="dsec-apiserver",
             version=__version__,
             description="DSec apiserver: sandboxes, commands and files",

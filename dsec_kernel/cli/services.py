@@ -84,7 +84,9 @@ async def _apiserver(settings: ApiSettings, stop: asyncio.Event) -> None:
     hooks = Hooks.load(guards=settings.guards)
     policy_cls = load_drivers("dsec.placement", [settings.placement])[settings.placement].obj
     nc = await _connect(settings, "dsec-apiserver")
-    server = ApiServer(nc, settings, hooks, policy_cls(hooks, settings.placement_config))
+    api_nc = await _connect(settings, "dsec-apiserver-api")  # tenants' requests: their own
+    policy = policy_cls(hooks, settings.placement_config)
+    server = ApiServer(nc, settings, hooks, policy, api_nc=api_nc)
     try:
         await server.start()
         where = ", ".join(u.rpartition("@")[2] for u in settings.nats_url.split(","))
@@ -92,6 +94,7 @@ async def _apiserver(settings: ApiSettings, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         await server.stop()
+        await bus.disconnect(api_nc)
         await bus.disconnect(nc)
 
 
