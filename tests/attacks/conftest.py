@@ -54,6 +54,7 @@ class Platform:
     victim: Connection
     attacker: Connection
     backends: list[str]
+    store: Path  # the layer store's root (snapshots live in it)
 
     def client(self, who: Connection) -> dsec.AsyncClient:
         return dsec.AsyncClient(url=who.url, token=who.token)
@@ -81,7 +82,8 @@ def platform(tmp_path_factory):
         cluster.start_edge("node-a")
         nodes = asyncio.run(cluster.ready(90))
         backends = sorted({b.name for n in nodes for b in n.backends})
-        yield Platform(cluster, cluster.tenant("victim"), cluster.tenant("attacker"), backends)
+        victim, attacker = cluster.tenant("victim"), cluster.tenant("attacker")
+        yield Platform(cluster, victim, attacker, backends, Path(store["root"]))
     finally:
         cluster.stop()
 

@@ -438,6 +438,98 @@ async def test_stopped_file_helpers_do_not_pile_up(platform, attacker, attack):
         await attacker.destroy([sb])
 
 
+def edge_fds(platform) -> int:
+    return len(os.listdir(f"/proc/{platform.cluster.edges['node-a'].proc.pid}/fd"))
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes a tree takes on disk (blocks allocated, each inode once)."""
+    seen, total = set(), 0
+    for d, _, files in os.walk(root):
+        for name in files:
+            st = os.lstat(os.path.join(d, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+async def test_snapshots_of_planted_trees_stay_bounded(platform, attacker, attack):
+    """10,000 sibling directories (each held a descriptor: the edge ran out of them), a
+    2 GiB sparse file and 60 links to one 8 MiB file (written out whole to the store) make a
+    snapshot of what the sandbox really holds, with the edge's descriptors bounded."""
+    sb = await one(attacker, limits=dsec.Limits(disk_mb=256))
+    try:
+        await sb.exec(
+            "mkdir /w && cd /w && seq 1 10000 | xargs mkdir && for d in 1 2 3; do : > $d/f; done;"
+            " dd if=/dev/zero of=/sparse bs=1 count=1 seek=2G 2>/dev/null;"
+            " dd if=/dev/urandom of=/big bs=1M count=8 2>/dev/null && for i in $(seq 1 60); do ln /big /l$i; done",
+            timeout=300,
+        )
+        before = edge_fds(platform)
+        snap = await sb.snapshot()
+        after = edge_fds(platform)
+        stored = tree_bytes(platform.store / "snapshots" / snap.id / "delta")
+        assert stored < 64 << 20, f"{stored} bytes stored for 8 MiB of data"
+        assert after < before + 64, (before, after)
+        fork = (await attacker.create(count=1, from_snapshot=snap))[0]
+        try:
+            r = await fork.exec("ls /w | wc -l; stat -c %s /sparse; md5sum /big /l60 | cut -c1-32")
+        finally:
+            await attacker.destroy([fork])
+        lines = r.stdout.split()
+        assert len(lines) == 4 and lines[:2] == [b"10000", b"2147483649"], r
+        assert lines[2] == lines[3], r
+        attack("snapshot 10,000 directories, a 2 GiB hole, 60 links to 8 MiB", "container",
+               f"{stored >> 20} MiB stored; edge descriptors {before} -> {after}")  # fmt: skip
+    finally:
+        await attacker.destroy([sb])
+
+
+async def test_a_tree_deeper_than_any_walk_is_refused_and_leaves_nothing(
+    platform, attacker, attack
+):
+    """2,000 nested directories (a walk of them once recursed past Python's limit, and its
+    half-done work stayed in the store for ever): snapshot and fs_diff are refused with a
+    typed error; nothing is left in the store; the sandbox goes on and is removed whole."""
+    sb = await one(attacker)
+    try:
+        await sb.exec(
+            "i=0; while [ $i -lt 2000 ]; do mkdir d && cd d; i=$((i+1)); done", timeout=120
+        )
+        for op in (sb.snapshot, sb.fs_diff):
+            with pytest.raises(errors.InvalidArgument, match="deeper than"):
+                await op()
+        leftovers = [p.name for p in (platform.store / "snapshots").iterdir()
+                     if p.name.startswith(".")]  # fmt: skip
+        assert leftovers == [], leftovers
+        assert (await sb.exec("echo still")).stdout == b"still\n"
+        attack("snapshot and fs_diff of 2,000 nested directories", "container",
+               "invalid_argument (deeper than 512); nothing left behind")  # fmt: skip
+    finally:
+        await attacker.destroy([sb])
+    assert not sandbox_dir(platform, sb.id).exists()
+
+
+async def test_concurrent_publishes_name_no_host_path(platform, attacker, attack):
+    sb = await one(attacker)
+    try:
+        await sb.exec("echo x > /x")
+        snap = await sb.snapshot()
+        results = await asyncio.gather(
+            *(attacker.publish(snap, kind="workspace", name=f"pub{i}", version="1")
+              for i in range(3)),
+            return_exceptions=True,
+        )  # fmt: skip
+        text = " ".join(str(r) for r in results)
+        assert "/tmp" not in text and str(platform.cluster.state_dir) not in text, text
+        assert all(not isinstance(r, Exception) for r in results), results
+        attack("three publishes of one snapshot at once", "container",
+               "all published; no host path or pid in any answer")  # fmt: skip
+    finally:
+        await attacker.destroy([sb])
+
+
 # -- item 10: a lost sandbox releases what it held ------------------------------------------
 
 

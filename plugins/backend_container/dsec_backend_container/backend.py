@@ -24,6 +24,7 @@ import resource
 import secrets
 import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -63,6 +64,7 @@ from dsec_kernel.backend import (
 from dsec_kernel.cgroups import Group, favor_dynamic_changes, host_reserve, v1_controllers
 from dsec_kernel.config import StorageSettings
 from dsec_kernel.fairshare import TenantSlots
+from dsec_kernel.fileio import remove_tree
 from dsec_kernel.storage import Layer, LayerStore, open_store
 from dsec_kernel.wire import (
     MAX_FILE_BYTES,
@@ -87,6 +89,8 @@ __all__ = ["ContainerBackend", "ContainerConfig"]
 
 log = logging.getLogger(__name__)
 _ID = re.compile(SANDBOX_ID_PATTERN)
+#: names of trees being published, in the sandboxes' directory
+_PUBLISHING = ".publish-"
 CONTROLLERS = ("cpu", "memory", "pids", "freezer")
 DEFAULT_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -314,6 +318,8 @@ class ContainerBackend(Backend):
         snapshots, a uid range)."""
         kept: list[tuple[str, int]] = []
         for d in self.root.iterdir():
+            if d.name.startswith(_PUBLISHING):  # a publish cut short
+                remove_tree(d)
             if not _ID.match(d.name):
                 continue
             sd = SandboxDir(self.root, d.name)
@@ -855,9 +861,10 @@ class ContainerBackend(Backend):
     def _publish(self, request: PublishRequest) -> LayerInfo:
         snaps = self.snapshots.chain(request.snapshot_id, request.tenant)
         layers = snaps[0].layers  # top first; the base last
-        holder = f"{self.node}/publish-{request.snapshot_id}"
-        tree = self.state_dir / f".publish-{request.snapshot_id}-{os.getpid()}"
-        tree.mkdir()
+        holder = f"{self.node}/publish-{secrets.token_hex(6)}"
+        # built where only root goes (the sandboxes' 0700 directory): it holds the tenant's
+        # files as they are, set-id bits and all
+        tree = Path(tempfile.mkdtemp(prefix=_PUBLISHING, dir=self.root))
         try:
             use = layers if request.kind == "base" else layers[:-1]
             for digest in reversed(use):  # bottom up: overlay order
@@ -867,10 +874,15 @@ class ContainerBackend(Backend):
             layer = self.store.import_layer(
                 str(tree), request.kind, request.name, request.version, tenant=request.tenant
             )
+        except errors.Internal as exc:  # (its message names this node's paths)
+            log.warning("publishing %s failed: %s", request.snapshot_id, exc.message)
+            raise errors.Internal(
+                f"publishing snapshot {request.snapshot_id} failed; the edge's log says why"
+            ) from None
         finally:
             for digest in layers:
                 self.store.release(digest, holder)
-            shutil.rmtree(tree, ignore_errors=True)
+            remove_tree(tree)
         return LayerInfo(digest=layer.digest, kind=layer.kind, name=layer.name,
                          version=layer.version, size=layer.size)  # fmt: skip
 

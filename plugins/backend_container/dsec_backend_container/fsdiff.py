@@ -31,30 +31,29 @@ def _ancestors(path: str) -> list[str]:
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
-def _in_layer(root: Path, path: str) -> tuple[str, Entry | None]:
+def _in_layer(t: Tree, path: str) -> tuple[str, Entry | None]:
     """Look ``path`` up in one environment layer: ("found", entry), ("hidden", None) (a
     whiteout, or a non-directory on the way: nothing below shows), ("opaque", None)
     (missing below an opaque directory) or ("missing", None)."""
     parts = path.strip("/").split("/")
     opaque = False
-    with Tree(root) as t:
-        try:
-            for i in range(len(parts) - 1):
-                rel = "/" + "/".join(parts[: i + 1])
-                d, name = t.parent(rel)
-                st = os.stat(name, dir_fd=d, follow_symlinks=False)
-                if not stat.S_ISDIR(st.st_mode):
-                    return "hidden", None
-                opaque = opaque or _opaque_dir(t, rel)
-            d, name = t.parent(path)
+    try:
+        for i in range(len(parts) - 1):
+            rel = "/" + "/".join(parts[: i + 1])
+            d, name = t.parent(rel)
             st = os.stat(name, dir_fd=d, follow_symlinks=False)
-        except FileNotFoundError:
-            return ("opaque" if opaque else "missing"), None
-        if is_whiteout(st):
-            return "hidden", None
-        opaque_here = stat.S_ISDIR(st.st_mode) and _opaque_dir(t, path)
-        return "found", Entry(_kind(st), st.st_mode, st.st_uid, st.st_gid, st.st_size,
-                              st.st_mtime_ns, st.st_ctime_ns, opaque_here)  # fmt: skip
+            if not stat.S_ISDIR(st.st_mode):
+                return "hidden", None
+            opaque = opaque or _opaque_dir(t, rel)
+        d, name = t.parent(path)
+        st = os.stat(name, dir_fd=d, follow_symlinks=False)
+    except FileNotFoundError:
+        return ("opaque" if opaque else "missing"), None
+    if is_whiteout(st):
+        return "hidden", None
+    opaque_here = stat.S_ISDIR(st.st_mode) and _opaque_dir(t, path)
+    return "found", Entry(_kind(st), st.st_mode, st.st_uid, st.st_gid, st.st_size,
+                          st.st_mtime_ns, st.st_ctime_ns, opaque_here)  # fmt: skip
 
 
 def _opaque_dir(t: Tree, rel: str) -> bool:
@@ -73,7 +72,7 @@ def _kind(st: os.stat_result) -> str:
 
 
 def _resolve(
-    path: str, stack: list[tuple[Path, dict[str, Entry]]], env: list[Path]
+    path: str, stack: list[tuple[Path, dict[str, Entry]]], env: list[Path], trees: _Trees
 ) -> Found | None:
     ancestors = _ancestors(path)
     for root, layer in stack:
@@ -87,7 +86,7 @@ def _resolve(
         if any(layer.get(a) is not None and layer[a].opaque for a in ancestors):
             return None
     for root in env:
-        how, e = _in_layer(root, path)
+        how, e = _in_layer(trees[root], path)
         if how == "found":
             assert e is not None
             return e, root
@@ -96,34 +95,46 @@ def _resolve(
     return None
 
 
-def _same_bytes(path: str, a: Path, b: Path) -> bool:
+def _same_bytes(path: str, ta: Tree, tb: Tree) -> bool:
     """Whether ``path`` holds the same bytes (a file) or target (a symlink) in trees a and b;
     False if either cannot be read as such."""
     try:
-        with Tree(a) as ta, Tree(b) as tb:
-            (da, name), (db, _) = ta.parent(path), tb.parent(path)
-            sa = os.stat(name, dir_fd=da, follow_symlinks=False)
-            if stat.S_ISLNK(sa.st_mode):
-                return os.readlink(name, dir_fd=da) == os.readlink(name, dir_fd=db)
-            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-            fa = os.open(name, flags, dir_fd=da)
+        da, name = ta.parent(path)
+        sa = os.stat(name, dir_fd=da, follow_symlinks=False)
+        if stat.S_ISLNK(sa.st_mode):
+            return os.readlink(name, dir_fd=da) == os.readlink(name, dir_fd=tb.parent(path)[0])
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fa = os.open(name, flags, dir_fd=da)
+        try:
+            fb = os.open(name, flags, dir_fd=tb.parent(path)[0])
             try:
-                fb = os.open(name, flags, dir_fd=db)
-                try:
-                    if not all(stat.S_ISREG(os.fstat(f).st_mode) for f in (fa, fb)):
+                if not all(stat.S_ISREG(os.fstat(f).st_mode) for f in (fa, fb)):
+                    return False
+                while True:
+                    x, y = os.read(fa, _CHUNK), os.read(fb, _CHUNK)
+                    if x != y:
                         return False
-                    while True:
-                        x, y = os.read(fa, _CHUNK), os.read(fb, _CHUNK)
-                        if x != y:
-                            return False
-                        if not x:
-                            return True
-                finally:
-                    os.close(fb)
+                    if not x:
+                        return True
             finally:
-                os.close(fa)
+                os.close(fb)
+        finally:
+            os.close(fa)
     except OSError:
         return False
+
+
+class _Trees(dict):
+    """A :class:`Tree` per root, opened when first asked for, each caching few descriptors
+    (a diff reaches into every layer and delta of two chains)."""
+
+    def __missing__(self, root: Path) -> Tree:
+        tree = self[root] = Tree(root, cached=8)
+        return tree
+
+    def close(self) -> None:
+        for tree in self.values():
+            tree.close()
 
 
 def diff(now: list[Path], then: list[Path], env: list[Path]) -> FsDiff:
@@ -136,16 +147,20 @@ def diff(now: list[Path], then: list[Path], env: list[Path]) -> FsDiff:
     for p in [*now[: len(now) - shared], *then[: len(then) - shared]]:
         candidates.update(scans[p])
     out = FsDiff()
-    for path in sorted(candidates):
-        a = _resolve(path, [(p, scans[p]) for p in now], env)
-        b = _resolve(path, [(p, scans[p]) for p in then], env)
-        if a is not None and b is None:
-            out.added.append(path)
-        elif a is None and b is not None:
-            out.deleted.append(path)
-        elif a is not None and b is not None and a[0].kind != "d":
-            if a[1] == b[1]:
-                continue  # the same copy
-            if not a[0].same_meta(b[0]) or not _same_bytes(path, a[1], b[1]):
-                out.modified.append(path)
+    trees = _Trees()
+    try:
+        for path in sorted(candidates):
+            a = _resolve(path, [(p, scans[p]) for p in now], env, trees)
+            b = _resolve(path, [(p, scans[p]) for p in then], env, trees)
+            if a is not None and b is None:
+                out.added.append(path)
+            elif a is None and b is not None:
+                out.deleted.append(path)
+            elif a is not None and b is not None and a[0].kind != "d":
+                if a[1] == b[1]:
+                    continue  # the same copy
+                if not a[0].same_meta(b[0]) or not _same_bytes(path, trees[a[1]], trees[b[1]]):
+                    out.modified.append(path)
+    finally:
+        trees.close()
     return out

@@ -18,9 +18,9 @@ namespace. ``<upper_root>/.trash/``: what is being deleted (:class:`Trash`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import secrets
-import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +28,10 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_backend_container.upperfs import UpperFs
+from dsec_kernel.fileio import remove_tree
 from dsec_kernel.wire import Limits
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Meta", "SandboxDir", "Trash", "delete_tree"]
 
@@ -145,8 +148,8 @@ class Trash:
         while (path := self._queue.get()) is not None:
             try:
                 self._delete(path)
-            except OSError:
-                shutil.rmtree(path, ignore_errors=True)
+            except OSError as exc:  # (what stays is tried again after the next start)
+                log.warning("could not delete %s from the trash: %s", path.name, exc)
 
 
 def delete_tree(fs: UpperFs) -> Callable[[Path], None]:
@@ -157,6 +160,6 @@ def delete_tree(fs: UpperFs) -> Callable[[Path], None]:
         for rw in (path, path / "rw"):
             if UpperFs.is_subvolume(rw):
                 fs.delete(rw)
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)
 
     return delete

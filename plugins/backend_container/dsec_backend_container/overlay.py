@@ -10,20 +10,33 @@ directory may become a symlink to ``/`` between two calls. So trees are only eve
 through directory descriptors opened component by component with ``O_NOFOLLOW``
 (:class:`Tree`): a symlink or non-directory where a directory was expected ends the walk
 with an error, and no path the edge follows as host root can lead out of the tree.
+
+What the sandbox put there also decides how much work a walk is, so every walk is bounded:
+at most :data:`MAX_DEPTH` directories deep (:class:`TooDeep` past it), one descriptor per
+level of the current path and a few dozen cached (thousands of sibling directories once
+held a descriptor each and ran the edge out of them), never recursive, sparse files copied
+as sparse and hard links as links (a 2 GB hole or 60 links to one file were written out in
+full to the store).
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsec_kernel import errors
+from dsec_kernel.fileio import remove_tree
+
 __all__ = [
+    "MAX_DEPTH",
     "OPAQUE",
     "Entry",
+    "Links",
+    "TooDeep",
     "Tree",
     "apply",
     "copy_entry",
@@ -37,6 +50,26 @@ __all__ = [
 
 OPAQUE = "trusted.overlay.opaque"
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: deepest nesting of directories a walk goes (far past any real project's)
+MAX_DEPTH = 512
+#: directory descriptors a Tree keeps open besides its root
+_CACHED = 64
+#: hard links copied so far in one piece of work: (device, inode) -> the path of the copy
+Links = dict[tuple[int, int], str]
+
+
+class TooDeep(errors.InvalidArgument):
+    """A tree nests deeper than :data:`MAX_DEPTH`."""
+
+    def __init__(self, rel: str) -> None:
+        super().__init__(
+            f"the sandbox's files nest deeper than {MAX_DEPTH} directories (below "
+            f"{rel[:200]!r}...); snapshots and diffs stop there: flatten that tree first"
+        )
+
+
+def _depth(rel: str) -> int:
+    return rel.count("/")
 
 
 @dataclass(frozen=True)
@@ -68,19 +101,38 @@ class Entry:
 
 
 class Tree:
-    """A directory tree reached only through ``O_NOFOLLOW`` directory descriptors (cached
-    per directory for one piece of work; :meth:`close` them)."""
+    """A directory tree reached only through ``O_NOFOLLOW`` directory descriptors: the
+    root's, and the last ``cached`` others used (one piece of work; :meth:`close` them). A
+    descriptor :meth:`dir` returns is good until the next call."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, cached: int = _CACHED) -> None:
         self.root = root
-        self._dirs = {"": os.open(root, _DIR)}
+        self.cached = cached
+        self._root = os.open(root, _DIR)
+        self._dirs: OrderedDict[str, int] = OrderedDict()
 
     def dir(self, rel: str) -> int:
-        """A descriptor of directory ``rel`` (``/a/b`` form; ``""`` is the root)."""
+        """A descriptor of directory ``rel`` (``/a/b`` form; ``""`` is the root), opened
+        from its nearest cached ancestor down, component by component."""
+        if not rel:
+            return self._root
         fd = self._dirs.get(rel)
-        if fd is None:
-            parent, _, name = rel.rpartition("/")
-            fd = self._dirs[rel] = os.open(name, _DIR, dir_fd=self.dir(parent))
+        if fd is not None:
+            self._dirs.move_to_end(rel)
+            return fd
+        if _depth(rel) > MAX_DEPTH:
+            raise TooDeep(rel)
+        base = rel
+        while base and base not in self._dirs:
+            base = base.rpartition("/")[0]
+        fd = self._dirs[base] if base else self._root
+        for name in rel[len(base) + 1 :].split("/"):
+            base = f"{base}/{name}"
+            fd = os.open(name, _DIR, dir_fd=fd)
+            self._dirs[base] = fd
+            self._dirs.move_to_end(base)
+        while len(self._dirs) > self.cached:
+            os.close(self._dirs.popitem(last=False)[1])
         return fd
 
     def parent(self, rel: str) -> tuple[int, str]:
@@ -91,13 +143,15 @@ class Tree:
     def forget(self, rel: str) -> None:
         """Drop cached descriptors of ``rel`` and below (it was removed or replaced)."""
         for key in [k for k in self._dirs if k == rel or k.startswith(rel + "/")]:
-            if key:
-                os.close(self._dirs.pop(key))
+            os.close(self._dirs.pop(key))
 
     def close(self) -> None:
         for fd in self._dirs.values():
             os.close(fd)
         self._dirs.clear()
+        if self._root >= 0:
+            os.close(self._root)
+            self._root = -1
 
     def __enter__(self) -> Tree:
         return self
@@ -133,37 +187,63 @@ def _entry(st: os.stat_result, opaque: bool = False) -> Entry:
 
 
 def scan(root: Path) -> dict[str, Entry]:
-    """Every path below ``root`` (``/a/b`` form, ``root`` itself excluded), parents first.
-    What vanishes or changes type while being read is left out (or seen as it became)."""
+    """Every path below ``root`` (``/a/b`` form, ``root`` itself excluded), sorted. What
+    vanishes or changes type while being read is left out (or seen as it became); TooDeep
+    past :data:`MAX_DEPTH`. Holds a descriptor per level of the current path only."""
     out: dict[str, Entry] = {}
     try:
         top = os.open(root, _DIR)
     except FileNotFoundError:
         return out
-    stack = [("", top)]
-    while stack:
-        rel, fd = stack.pop()
-        try:
-            with os.scandir(fd) as it:
-                children = sorted(it, key=lambda e: e.name)
-            for de in children:
-                r = f"{rel}/{de.name}"
-                try:
-                    st = de.stat(follow_symlinks=False)
-                except FileNotFoundError:
+    stack: list[tuple[str, int, list[str]]] = []  # (rel, fd, subdirectories left)
+    try:
+        stack.append(("", top, _list_into(top, "", out)))
+        while stack:
+            rel, fd, subdirs = stack[-1]
+            if not subdirs:
+                stack.pop()
+                os.close(fd)
+                continue
+            r = f"{rel}/{subdirs.pop()}"
+            try:
+                child = os.open(r.rpartition("/")[2], _DIR, dir_fd=fd)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # gone, or no longer a directory
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:  # became a symlink
                     continue
-                if not stat.S_ISDIR(st.st_mode):
-                    out[r] = _entry(st)
-                    continue
-                try:
-                    child = os.open(de.name, _DIR, dir_fd=fd)
-                except OSError:  # gone, or no longer a directory
-                    continue
+                raise
+            try:
                 out[r] = _entry(os.fstat(child), _opaque(child))
-                stack.append((r, child))
-        finally:
+                if len(stack) > MAX_DEPTH:
+                    raise TooDeep(r)
+                listed = _list_into(child, r, out)
+            except BaseException:
+                os.close(child)
+                raise
+            stack.append((r, child, listed))
+    finally:
+        for _, fd, _ in stack:
             os.close(fd)
     return dict(sorted(out.items()))
+
+
+def _list_into(fd: int, rel: str, out: dict[str, Entry]) -> list[str]:
+    """Enter the non-directories of directory ``fd`` (at ``rel``) in ``out``; return the
+    names of its subdirectories."""
+    subdirs = []
+    with os.scandir(fd) as it:
+        for de in it:
+            try:
+                st = de.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                subdirs.append(de.name)
+            else:
+                out[f"{rel}/{de.name}"] = _entry(st)
+    subdirs.sort(reverse=True)
+    return subdirs
 
 
 def lookup(root: Path, rel: str) -> Entry | None:
@@ -219,11 +299,26 @@ def _copy_meta(src: int | None, dst: Tree, rel: str, st: os.stat_result, opaque:
     os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=d, follow_symlinks=False)
 
 
-def copy_entry(src: Tree, dst: Tree, rel: str, opaque: bool | None = None) -> int:
+def copy_entry(
+    src: Tree, dst: Tree, rel: str, opaque: bool | None = None, links: Links | None = None
+) -> int:
     """Copy one path (not its children) from ``src`` to the same place in ``dst``, keeping
-    metadata; returns bytes copied. ``opaque`` None keeps the source's opacity."""
+    metadata and holes; returns bytes of data copied. ``opaque`` None keeps the source's
+    opacity. A file with more links, when ``links`` has a copy of it from this piece of
+    work, becomes a link to that copy."""
     sd, name = src.parent(rel)
     st = os.stat(name, dir_fd=sd, follow_symlinks=False)
+    if links is not None and stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        first = links.get((st.st_dev, st.st_ino))
+        if first is not None:
+            fd, fname = dst.parent(first)
+            first_fd = os.dup(fd)  # (the next lookup may close the cached one)
+            try:
+                dd, dname = dst.parent(rel)
+                os.link(fname, dname, src_dir_fd=first_fd, dst_dir_fd=dd, follow_symlinks=False)
+            finally:
+                os.close(first_fd)
+            return 0
     dd, dname = dst.parent(rel)
     if is_whiteout(st):
         os.mknod(dname, stat.S_IFCHR | 0o000, os.makedev(0, 0), dir_fd=dd)
@@ -254,38 +349,50 @@ def copy_entry(src: Tree, dst: Tree, rel: str, opaque: bool | None = None) -> in
         finally:
             os.close(out)
         _copy_meta(fd, dst, rel, st, False)
+        if links is not None and st.st_nlink > 1:
+            links[(st.st_dev, st.st_ino)] = rel
         return copied
     finally:
         os.close(fd)
 
 
 def _copy_data(src: int, dst: int, size: int) -> int:
-    """Copy up to ``size`` bytes in the kernel (a reflink where both are on one btrfs);
-    between filesystems of different types copy_file_range refuses, sendfile does not."""
-    done = 0
+    """Copy the data of ``src``'s first ``size`` bytes into ``dst``, holes left holes (a
+    reflink where both are on one btrfs); returns the bytes of data copied. Between
+    filesystems of different types copy_file_range refuses, pread/pwrite does not."""
+    copied = off = 0
+    while off < size:
+        try:
+            data = os.lseek(src, off, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # nothing but a hole up to the end
+                break
+            raise
+        end = min(os.lseek(src, data, os.SEEK_HOLE), size)
+        copied += _copy_range(src, dst, data, end)
+        off = end
+    os.ftruncate(dst, size)
+    return copied
+
+
+def _copy_range(src: int, dst: int, start: int, end: int) -> int:
+    pos = start
     try:
-        while done < size and (n := os.copy_file_range(src, dst, size - done)):
-            done += n
+        while pos < end and (n := os.copy_file_range(src, dst, end - pos, pos, pos)):
+            pos += n
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP):
             raise
-        while done < size and (n := os.sendfile(dst, src, done, size - done)):
-            done += n
-    return done
+        while pos < end and (chunk := os.pread(src, min(end - pos, 1 << 20), pos)):
+            pos += os.pwrite(dst, chunk, pos)
+    return pos - start
 
 
 def remove(tree: Tree, rel: str) -> None:
-    """Remove ``rel`` (a whole directory too) if it exists."""
+    """Remove ``rel`` (a whole directory too, of any depth) if it exists."""
     d, name = tree.parent(rel)
-    try:
-        st = os.stat(name, dir_fd=d, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        tree.forget(rel)
-        shutil.rmtree(name, dir_fd=d)
-    else:
-        os.unlink(name, dir_fd=d)
+    tree.forget(rel)
+    remove_tree(name, dir_fd=d)
 
 
 def kind_at(tree: Tree, rel: str) -> str | None:
@@ -303,6 +410,7 @@ def apply(delta: Path, target: Path, keep_whiteouts: bool = True) -> None:
     With ``keep_whiteouts`` (the result is itself a delta), deletions stay as whiteouts so
     they still hide paths of the layers below; without, they are simply removed.
     """
+    links: Links = {}
     with Tree(delta) as src, Tree(target) as dst:
         for rel, e in scan(delta).items():
             if e.kind == "w":
@@ -318,4 +426,4 @@ def apply(delta: Path, target: Path, keep_whiteouts: bool = True) -> None:
                     copy_entry(src, dst, rel, opaque=e.opaque and keep_whiteouts)
             else:
                 remove(dst, rel)
-                copy_entry(src, dst, rel)
+                copy_entry(src, dst, rel, links=links)

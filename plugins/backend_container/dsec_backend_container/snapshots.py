@@ -26,7 +26,6 @@ import errno
 import json
 import os
 import secrets
-import shutil
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_backend_container.overlay import (
     Entry,
+    Links,
     Tree,
     apply,
     copy_entry,
@@ -43,6 +43,7 @@ from dsec_backend_container.overlay import (
     whiteout,
 )
 from dsec_kernel import errors
+from dsec_kernel.fileio import remove_tree
 from dsec_kernel.storage import LayerStore
 
 __all__ = ["SnapshotMeta", "Snapshots"]
@@ -61,6 +62,10 @@ class SnapshotMeta(BaseModel):
     bytes: int = 0
     keep: bool = False
     layers: list[str] = Field(description="digests of the environment it applies to, top first")
+
+
+#: age past which an unfinished snapshot (``.tmp-*``) is taken for a leftover
+LEFTOVER_S = 3600.0
 
 
 class Snapshots:
@@ -171,7 +176,7 @@ class Snapshots:
                 self._pin(meta)
             tmp.rename(self._dir(snap_id))
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)
             if parent is None:
                 self._unpin(snap_id, layers)
             raise
@@ -188,7 +193,15 @@ class Snapshots:
     # -- collecting ------------------------------------------------------------------------------
 
     def gc(self) -> list[str]:
-        """Delete snapshots nothing holds, not kept, unused for ``grace_s``; returns their ids."""
+        """Delete snapshots nothing holds, not kept, unused for ``grace_s``; returns their ids.
+        What a failed deletion or an interrupted snapshot left (``.trash-*`` and ``.tmp-*``
+        untouched for an hour: not another node's work in progress) goes too."""
+        for left in [*self.root.glob(".trash-*"), *self.root.glob(".tmp-*")]:
+            try:
+                if time.time() - left.lstat().st_ctime > LEFTOVER_S:
+                    remove_tree(left)
+            except OSError:  # another node's collection took it meanwhile
+                pass
         removed: list[str] = []
         progress = True
         while progress:  # deleting a snapshot releases its parents
@@ -214,7 +227,7 @@ class Snapshots:
                     self.release([meta.parent], f"snap.{meta.id}")
                 else:
                     self._unpin(meta.id, meta.layers)
-                shutil.rmtree(trash, ignore_errors=True)
+                remove_tree(trash)
                 removed.append(meta.id)
                 progress = True
         return removed
@@ -228,37 +241,40 @@ def _copy_changes(
     With ``merge``, ``delta`` already holds older changes and is overwritten where needed.
     """
     size = 0
-    full_copy: list[str] = []  # directories that became opaque: all they hold is new
+    full_copy: set[str] = set()  # directories that became opaque: all they hold is new
+    made: set[str] = {""}  # directories known to be in ``delta`` (so not checked again)
+    links: Links = {}
     with Tree(upper) as src, Tree(delta) as dst:
         for rel, e in now.items():
             old = before.get(rel)
-            inside_full = any(rel.startswith(f + "/") for f in full_copy)
-            if old == e and not inside_full:
+            if old == e and not any(a in full_copy for a in _ancestors(rel)):
                 continue
             try:
-                _parents(src, dst, rel)
+                _parents(src, dst, rel, made)
                 if e.kind == "d":
                     have = kind_at(dst, rel)
+                    made.add(rel)
                     if have == "d" and not e.opaque:
                         continue  # already there (merge), or made as a parent
                     remove(dst, rel)
                     copy_entry(src, dst, rel)
                     if e.opaque and (old is None or not old.opaque or merge):
-                        full_copy.append(rel)
+                        full_copy.add(rel)
                     continue
                 remove(dst, rel)
-                size += copy_entry(src, dst, rel)
+                size += copy_entry(src, dst, rel, links=links)
             except (FileNotFoundError, NotADirectoryError):
+                made.discard(rel)
                 continue  # changed while read (only a paused or idle sandbox is still)
             except OSError as exc:
                 if exc.errno != errno.ELOOP:
                     raise
-        gone = [rel for rel in before if rel not in now]
-        for rel in gone:
-            if any(rel.startswith(g + "/") for g in gone if g != rel):
+        gone = {rel for rel in before if rel not in now}
+        for rel in sorted(gone):
+            if any(a in gone for a in _ancestors(rel)):
                 continue  # a deleted directory's whiteout covers its contents
             try:
-                _parents(src, dst, rel)
+                _parents(src, dst, rel, made)
             except (FileNotFoundError, NotADirectoryError):
                 pass
             except OSError as exc:
@@ -269,23 +285,30 @@ def _copy_changes(
     return size
 
 
-def _parents(src: Tree, dst: Tree, rel: str) -> None:
-    """Make ``rel``'s missing parent directories in ``dst``, as they are in ``src``."""
-    parts = rel.strip("/").split("/")[:-1]
-    cur = ""
-    for p in parts:
-        cur += "/" + p
-        if kind_at(dst, cur) == "d":
+def _ancestors(rel: str) -> list[str]:
+    """``/a/b/c`` -> ``["/a", "/a/b"]``."""
+    parts = rel.split("/")
+    return ["/".join(parts[:i]) for i in range(2, len(parts))]
+
+
+def _parents(src: Tree, dst: Tree, rel: str, made: set[str]) -> None:
+    """Make ``rel``'s missing parent directories in ``dst``, as they are in ``src``; those
+    in ``made`` are known to be there already."""
+    for cur in _ancestors(rel):
+        if cur in made:
             continue
-        remove(dst, cur)
-        try:
-            if kind_at(src, cur) == "d":
-                copy_entry(src, dst, cur, opaque=False)
-                continue
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-        d, name = dst.parent(cur)
-        os.mkdir(name, 0o755, dir_fd=d)
+        if kind_at(dst, cur) != "d":
+            remove(dst, cur)
+            try:
+                if kind_at(src, cur) == "d":
+                    copy_entry(src, dst, cur, opaque=False)
+                    made.add(cur)
+                    continue
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+            d, name = dst.parent(cur)
+            os.mkdir(name, 0o755, dir_fd=d)
+        made.add(cur)
 
 
 def _tree_bytes(root: Path) -> int:

@@ -39,7 +39,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -49,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsec_kernel.config import default_state_dir
 from dsec_kernel.errors import Conflict, DsecError, Internal, InvalidArgument, NotFound
+from dsec_kernel.fileio import remove_tree
 from dsec_kernel.storage import KINDS, GcReport, Kind, Layer, LayerStore, LayerUsage, Progress
 from dsec_kernel.wire.base import NAME_PATTERN
 from dsec_storage_3fs import erofs
@@ -159,7 +159,7 @@ class ThreeFsStore(LayerStore):
             raise Internal(f"importing {source} as {name}:{version}{where} failed: {e}") from e
         finally:
             if work is not None:
-                shutil.rmtree(work, ignore_errors=True)
+                remove_tree(work)
 
     def list_layers(self, tenant: str | None = None) -> list[Layer]:
         """Public layers first, then each owner's (sorted by owner, name, version)."""
@@ -245,7 +245,7 @@ class ThreeFsStore(LayerStore):
         for leftover in self.root.glob("tmp/*"):
             with contextlib.suppress(FileNotFoundError):
                 if now - leftover.lstat().st_mtime > _TMP_MAX_AGE_S:
-                    shutil.rmtree(leftover, ignore_errors=True)
+                    remove_tree(leftover)
         return report
 
     def image_path(self, digest: str) -> Path:
