@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from dsec_kernel import errors
 from dsec_kernel.fairshare import TenantSlots
 
 __all__ = ["Lanes"]
@@ -25,16 +26,27 @@ T = TypeVar("T")
 
 class Lanes:
     """``threads`` threads; one call per tenant at a time, the others wait their turn (the
-    tenant running fewest first: :class:`~dsec_kernel.fairshare.TenantSlots`)."""
+    tenant running fewest first: :class:`~dsec_kernel.fairshare.TenantSlots`), at most
+    ``waiting`` of one tenant's: work goes on when its caller has stopped waiting (the
+    apiserver's wait for an edge is bounded), so without a bound a tenant could pile up work
+    for hours."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, waiting: int = 16) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dsec-lane")
         self._turns = TenantSlots(threads, 1)
+        self.waiting = waiting
 
     async def run(self, tenant: str, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a lane once ``tenant`` has none busy. The tenant's turn ends when
-        ``fn`` returns, even if the caller stopped waiting for it."""
+        ``fn`` returns, even if the caller stopped waiting for it. QueueFull if ``waiting``
+        of its calls wait already."""
         loop = asyncio.get_running_loop()
+        queued = sum(not f.done() for _, f in self._turns.waiting.get(tenant, ()))
+        if queued >= self.waiting:
+            raise errors.QueueFull(
+                f"{queued} long operations (snapshots, diffs, publishes) of this tenant wait on "
+                "this node already; retry when some are done"
+            )
         await self._turns.acquire(tenant)
         try:
             job: Future[T] = self._pool.submit(functools.partial(fn, *args))
