@@ -91,6 +91,8 @@ log = logging.getLogger(__name__)
 _ID = re.compile(SANDBOX_ID_PATTERN)
 #: names of trees being published, in the sandboxes' directory
 _PUBLISHING = ".publish-"
+#: most layers kept mounted ahead of use by prestage
+PRESTAGED = 64
 CONTROLLERS = ("cpu", "memory", "pids", "freezer")
 DEFAULT_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -202,7 +204,7 @@ class ContainerBackend(Backend):
         )
         self.metas: dict[str, Meta] = {}
         self.lost: set[str] = set()  # sandboxes whose init ended by itself
-        self._staged: set[str] = set()  # digests mounted ahead of use (prestage)
+        self._staged: dict[str, None] = {}  # digests mounted ahead of use, oldest first
         self._locks: dict[str, asyncio.Lock] = {}
         self._gc: asyncio.Task[None] | None = None
         self._watch_egress: asyncio.Task[None] | None = None
@@ -638,8 +640,9 @@ class ContainerBackend(Backend):
             return await self.lanes.run(meta.tenant, self._pause, meta.id)
 
     async def prestage(self, layers: list[str], tenant: str | None = None) -> list[str]:
-        """Mount each layer (held until the backend closes) and walk its tree, so its
-        metadata is read from the store now rather than by the first sandbox."""
+        """Mount each layer (held until the backend closes, or until :data:`PRESTAGED`
+        newer ones are) and walk its tree, so its metadata is read from the store now rather
+        than by the first sandbox."""
         return await self.lanes.run(tenant or "", self._prestage, layers, tenant)
 
     def _prestage(self, layers: list[str], tenant: str | None) -> list[str]:
@@ -647,7 +650,12 @@ class ContainerBackend(Backend):
         for ref in layers:
             layer = self.store.resolve(*ref.split(":", 1), tenant=tenant)
             root = self.store.mount(layer.digest, self._holder("prestaged"))
-            self._staged.add(layer.digest)
+            self._staged.pop(layer.digest, None)
+            self._staged[layer.digest] = None
+            while len(self._staged) > PRESTAGED:  # the oldest go (a tenant may ask for many)
+                oldest = next(iter(self._staged))
+                del self._staged[oldest]
+                self.store.release(oldest, self._holder("prestaged"))
             for _ in os.walk(root):
                 pass
             staged.append(_owned_ref(layer))

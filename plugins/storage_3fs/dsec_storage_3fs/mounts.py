@@ -107,7 +107,9 @@ class NodeMounts:
 
 
 def _mount(image: Path, mountpoint: Path, direct: bool) -> None:
-    mountpoint.mkdir(parents=True, exist_ok=True)
+    if not mountpoint.parent.exists():  # only root reaches the mounts (tenants' layers too)
+        mountpoint.parent.mkdir(mode=0o700, parents=True)
+    mountpoint.mkdir(exist_ok=True)
     # nosuid, nodev: a setuid file or device node in an image (a published sandbox's, say)
     # gives nothing to a host user who finds the mount
     flags = MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV

@@ -98,6 +98,8 @@ class ThreeFsStore(LayerStore):
     def __init__(self, config: ThreeFsConfig | None = None) -> None:
         super().__init__(config)
         self.root: Path = self.config.root
+        if not self.root.exists():  # a store this makes is root's alone: tenants' layers are
+            self.root.mkdir(mode=0o700, parents=True)  # in it (an operator's keeps its modes)
         self.cache_dir: Path = self.config.cache_dir or default_state_dir() / "layer-cache"
         self._mounts = NodeMounts(self.cache_dir / "mounts", self.config.direct_io)
         self._sizes: dict[str, int] = {}  # digest -> image size, from records read
