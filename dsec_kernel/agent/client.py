@@ -30,6 +30,8 @@ def unix_target(path: str) -> tuple[str, int | None]:
     return f"unix:///proc/self/fd/{fd}/{name}", fd
 
 
+#: trailing metadata naming the DSec error an agent means, where no gRPC status says it
+ERROR_CODE_KEY = "dsec-error-code"
 _STATUS_ERRORS: dict[grpc.StatusCode, type[errors.DsecError]] = {
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
@@ -48,7 +50,8 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[errors.DsecError]] = {
 def status_error(exc: grpc.aio.AioRpcError, what: str, target: str = "") -> errors.DsecError:
     """The DSec error for a failed agent call. Transport errors name the agent's address;
     ``target``'s socket path is replaced by "the agent" (tenants see no host path)."""
-    cls = _STATUS_ERRORS.get(exc.code(), errors.Internal)
+    code = dict(exc.trailing_metadata() or ()).get(ERROR_CODE_KEY)
+    cls = errors.error_class(code) if code else _STATUS_ERRORS.get(exc.code(), errors.Internal)
     details = exc.details() or exc.code().name
     if target.startswith("unix:"):
         path = target.removeprefix("unix://").removeprefix("unix:")

@@ -463,7 +463,8 @@ async def test_snapshots_of_planted_trees_stay_bounded(platform, attacker, attac
         await sb.exec(
             "mkdir /w && cd /w && seq 1 10000 | xargs mkdir && for d in 1 2 3; do : > $d/f; done;"
             " dd if=/dev/zero of=/sparse bs=1 count=1 seek=2G 2>/dev/null;"
-            " dd if=/dev/urandom of=/big bs=1M count=8 2>/dev/null && for i in $(seq 1 60); do ln /big /l$i; done",
+            " dd if=/dev/urandom of=/big bs=1M count=8 2>/dev/null &&"
+            " for i in $(seq 1 60); do ln /big /l$i; done",
             timeout=300,
         )
         before = edge_fds(platform)

@@ -393,6 +393,32 @@ async def test_limits_past_the_nodes_are_refused(attacker, attack):
     attack("ask for 1 TiB of memory or 65,536 processes", "fncall", "invalid_argument")
 
 
+async def test_write_file_fills_a_sandbox_only_to_its_limits(attacker, attack):
+    """write_file puts files on the node's disk: a sandbox holds at most its Limits.disk_mb
+    and Limits.inodes of them (a sandbox of 16 MiB took 64 MiB and 1,000 files)."""
+    limits = dsec.Limits(disk_mb=16, inodes=100)
+    [sb] = await attacker.create(count=1, backend="fncall", limits=limits)
+    try:
+        written = 0
+        with pytest.raises(errors.QuotaExceeded, match="disk limit"):
+            for i in range(10):
+                await sb.write_file(f"/tmp/f{i}", b"x" * (4 << 20))
+                written += 1
+        assert written == 4, written
+        await sb.write_file("/tmp/f0", b"small")  # a smaller copy gives room back
+        await sb.write_file("/tmp/f9", b"x" * (3 << 20))
+        made = 0
+        with pytest.raises(errors.QuotaExceeded, match="inodes"):
+            for i in range(200):
+                await sb.write_file(f"/tmp/d/{i}", b"")
+                made += 1
+        assert made < 100, made
+        attack("fill a fncall sandbox's files (4 MiB writes, then empty files)", "fncall",
+               f"quota_exceeded at 16 MiB ({written} files) and at 100 entries")  # fmt: skip
+    finally:
+        await attacker.destroy([sb])
+
+
 # -- the classic escapes ---------------------------------------------------------------------
 
 

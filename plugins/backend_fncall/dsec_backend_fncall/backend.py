@@ -72,6 +72,11 @@ class FncallConfig(BaseModel):
     memory_mb: int = Field(512, ge=32, description="default address-space limit per call")
     processes: int = Field(64, ge=1, description="default process limit per call")
     file_size_mb: int = Field(64, ge=1, description="default largest file a call writes")
+    files_mb: int = Field(64, ge=1, description="default Limits.disk_mb of a sandbox's files")
+    files_inodes: int = Field(4096, ge=16, description="default Limits.inodes of its files")
+    files_total_mb: int = Field(
+        4096, ge=1, description="what every sandbox's files may take together on the node"
+    )
     max_memory_mb: int = Field(4096, ge=32, description="largest memory limit a call may ask for")
     max_processes: int = Field(1024, ge=1, description="largest process limit a call may ask for")
     max_file_size_mb: int = Field(
@@ -161,7 +166,7 @@ class FncallBackend(Backend):
         prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
         shared = ("pool_size", "max_running", "tenant_max_running", "tmp_size_mb", "memory_mb",
                   "processes", "file_size_mb", "uid_base", "uid_count", "loopback",
-                  "cgroups")  # fmt: skip
+                  "cgroups", "files_mb", "files_inodes", "files_total_mb")  # fmt: skip
         self.supervisor_config = SupervisorConfig(
             socket=str(self.socket),
             files_root=str(self.root),

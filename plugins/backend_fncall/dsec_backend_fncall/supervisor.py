@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -27,11 +28,12 @@ from pathlib import Path
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
+from dsec_backend_fncall.filespace import FileSpace
 from dsec_backend_fncall.pool import Pool, Worker
 from dsec_kernel import errors
 from dsec_kernel.agent import agent_pb2 as pb
 from dsec_kernel.agent.agent_pb2_grpc import AgentServicer, add_AgentServicer_to_server
-from dsec_kernel.agent.client import unix_target
+from dsec_kernel.agent.client import ERROR_CODE_KEY, unix_target
 from dsec_kernel.fairshare import TenantSlots
 from dsec_kernel.fileio import read_whole
 from dsec_kernel.wire import SANDBOX_ID_PATTERN
@@ -66,6 +68,9 @@ class SupervisorConfig(BaseModel):
     processes: int = Field(64, ge=1)
     file_size_mb: int = Field(64, ge=1)
     open_files: int = Field(1024, ge=16)
+    files_mb: int = Field(64, ge=1)
+    files_inodes: int = Field(4096, ge=16)
+    files_total_mb: int = Field(4096, ge=1)
     uid_base: int = Field(200_000, ge=1000)
     uid_count: int = Field(4096, ge=16)
     view_paths: list[str]
@@ -115,6 +120,7 @@ class Agent(AgentServicer):
         self.running: set[_Call] = set()
         self.files_root = Path(cfg.files_root)
         self.gid = cfg.uid_base - 1
+        self.space = FileSpace(self.files_root, cfg.files_mb, cfg.files_inodes, cfg.files_total_mb)
 
     # -- exec --------------------------------------------------------------------------------
 
@@ -217,6 +223,8 @@ class Agent(AgentServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker accepted the call; retry")
 
     async def Signal(self, request: pb.SignalRequest, context) -> pb.SignalResponse:
+        if not request.exec_id and not self._exists(request.sandbox):
+            self.space.forget(request.sandbox)  # a destroy: its files are gone
         delivered = 0
         for call in list(self.running):
             if (request.exec_id and call.exec_id == request.exec_id) or (
@@ -267,14 +275,25 @@ class Agent(AgentServicer):
         try:
             host = self._host_path(request.sandbox, request.path)
             root = self.files_root / request.sandbox / "files"
-            for parent in reversed(host.relative_to(root).parents[:-1]):
-                d = root / parent
+            parents = [root / p for p in reversed(host.relative_to(root).parents[:-1])]
+            for d in parents:
                 if d.is_symlink() or (d.exists() and not d.is_dir()):
                     raise ValueError(f"{request.path}: a parent is not a directory")
-                if not d.exists():
-                    d.mkdir()
-                    os.chown(d, 0, self.gid)
-                    os.chmod(d, 0o777)
+            try:
+                old = os.lstat(host)
+            except FileNotFoundError:
+                old = None
+            if old is not None and not stat.S_ISREG(old.st_mode):
+                raise ValueError(f"{request.path}: not a file")
+            made = [d for d in parents if not d.exists()]
+            self.space.charge(
+                request.sandbox, len(request.data) - (old.st_size if old else 0),
+                len(made) + (old is None),
+            )  # fmt: skip
+            for d in made:
+                d.mkdir()
+                os.chown(d, 0, self.gid)
+                os.chmod(d, 0o777)
             tmp = host.with_name(f".{host.name}.dsec-tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as f:
@@ -285,6 +304,11 @@ class Agent(AgentServicer):
             os.replace(tmp, host)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except errors.QuotaExceeded as exc:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message,
+                trailing_metadata=((ERROR_CODE_KEY, exc.code),),
+            )  # fmt: skip
         except FileNotFoundError:  # (the message names the sandbox's path, never the host's)
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no sandbox {request.sandbox}")
         except OSError as exc:
