@@ -24,9 +24,10 @@ pytest.register_assert_rewrite("dsec_kernel.conformance")  # before any test imp
 def session_processes(groups: dict[str, Path]) -> dict[int, str]:
     """pid -> command line of every process in this session's cgroups (but pytest)."""
     found = {}
-    for procs in groups["pids"].rglob("cgroup.procs") if "pids" in groups else ():
+    # (os.walk skips what vanishes meanwhile; rglob raised for a group removed mid-walk)
+    for d, _, _ in os.walk(groups["pids"]) if "pids" in groups else ():
         try:
-            pids = procs.read_text().split()
+            pids = Path(d, "cgroup.procs").read_text().split()
         except OSError:
             continue
         for pid in map(int, pids):

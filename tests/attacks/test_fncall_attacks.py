@@ -184,6 +184,29 @@ async def test_long_calls_do_not_starve_another_tenant(victim, attacker, attack)
            f"victim's print(1) in {max(lat) * 1e3:.0f} ms at most (of 5)")  # fmt: skip
 
 
+async def test_busy_calls_do_not_starve_another_tenant(victim, attacker, attack):
+    """The attacker's share of slots, all spinning on the CPU: the victim's call still gets a
+    worker made at once (not at idle priority) and half the CPU (the tenants' cpu groups
+    weigh the same), not 1/49 of it (print(1) took up to 9.8 s)."""
+    hogs = [asyncio.ensure_future(attacker.fncall("while True: pass", timeout=30))
+            for _ in range(48)]  # fmt: skip
+    try:
+        await asyncio.sleep(3.0)
+        lat = []
+        for _ in range(5):
+            t = time.monotonic()
+            r = await victim.fncall("print(1)")
+            lat.append(time.monotonic() - t)
+            assert r.stdout == b"1\n", r
+        assert max(lat) < 1.5, lat
+    finally:
+        for h in hogs:
+            h.cancel()
+        await asyncio.gather(*hogs, return_exceptions=True)
+    attack("48 calls spinning on the CPU against another tenant's print(1)", "fncall",
+           f"victim answered in {max(lat) * 1e3:.0f} ms at most (of 5)")  # fmt: skip
+
+
 # -- a batch larger than the node's slots queues to completion ------------------------------
 
 

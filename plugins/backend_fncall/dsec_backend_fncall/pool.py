@@ -101,6 +101,7 @@ class Pool:
         self.ready: deque[Worker] = deque()
         self.waiters: deque[asyncio.Future[Worker]] = deque()
         self.spawning = 0
+        self.urgent = 0  # of those, spawns at normal priority (a call waits for each)
         self.busy = 0
         self.live: dict[int, Worker] = {}
         self.sock: socket.socket | None = None
@@ -143,7 +144,7 @@ class Pool:
         child.close()
         parent.setblocking(False)
         self.sock = parent
-        self.spawning = 0
+        self.spawning = self.urgent = 0
         asyncio.get_running_loop().add_reader(parent.fileno(), self._on_message)
         self._refill()
 
@@ -153,13 +154,18 @@ class Pool:
         if self.busy and len(self.ready) >= self.cfg.pool_size // 2 and not self.waiters:
             return
         want = self.cfg.pool_size + len(self.waiters)
-        while self.sock is not None and len(self.ready) + self.spawning < want:
-            urgent = self.spawning < len(self.waiters)
+        while self.sock is not None and (
+            len(self.ready) + self.spawning < want or self.urgent < len(self.waiters)
+        ):
+            # a waiting call counts only on urgent spawns: one preparing at idle priority
+            # may never run while other tenants' calls keep the CPU busy
+            urgent = self.urgent < len(self.waiters)
             try:
                 self.sock.send(b'{"op": "spawn", "urgent": true}' if urgent else b'{"op": "spawn"}')
             except OSError:  # the zygote is gone; _on_message sees the end and restarts it
                 return
             self.spawning += 1
+            self.urgent += urgent
 
     def release(self) -> None:
         """A worker taken with :meth:`take` has finished its call."""
@@ -200,6 +206,7 @@ class Pool:
         op = msg["op"]
         if op == "ready":
             self.spawning -= 1
+            self.urgent -= msg.get("urgent", False)
             ctrl, stdin, stdout, stderr, pidfd = fds
             for fd in (stdout, stderr):
                 os.set_blocking(fd, False)
@@ -227,6 +234,7 @@ class Pool:
                 w.exited.set_result(msg)
         elif op == "error":
             self.spawning -= 1
+            self.urgent -= msg.get("urgent", False)
             log.error("zygote: %s", msg["message"])
             self._fail_waiters(msg["message"], 1)
 
@@ -284,6 +292,8 @@ def cgroup_base() -> Group | None:
     if len(parents) < 2:
         log.warning("no cgroup v1 memory and pids hierarchies: calls are limited by rlimits only")
         parents = {}
+    if (cpu := v1_controllers().get("cpu")) is not None:  # tenants' groups, made by calls
+        parents["cpu"] = cpu
     if (own2 := v2_own()) is not None:
         parents[UNIFIED] = own2
     for name in {p.name for d in parents.values() for p in d.glob("dsec-fncall-*")}:

@@ -12,6 +12,7 @@ really exited: the supervisor trusts the kernel (pidfd, cgroup), never what a ca
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -160,6 +161,7 @@ class Agent(AgentServicer):
             "env": {**DEFAULT_ENV, **dict(req.env)},
             "cwd": req.cwd or "/tmp",
             "sandbox": req.sandbox,
+            "tenant_group": "t-" + hashlib.sha256(req.tenant.encode()).hexdigest()[:16],
             "limits": {
                 "memory_bytes": lim.memory_bytes or self.cfg.memory_mb << 20,
                 "processes": lim.processes or self.cfg.processes,

@@ -96,7 +96,7 @@ def worker_main(
             os._exit(0)
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         _files_overlay(spec.get("sandbox", ""))
-        _set_cgroup_limits(limit_fds, spec["limits"])
+        _set_cgroup_limits(limit_fds, spec["limits"], spec["tenant_group"])
         if spec["mode"] == "python":
             ctrl.close()  # nothing of the platform's is left within the code's reach
             _close_fds_except(set())
@@ -146,6 +146,9 @@ def _join_cgroups(cfg: dict, uid: int) -> dict[str, int]:
     limits = {"memory": "memory.limit_in_bytes", "pids": "pids.max"}
     out = {}
     for controller, base_fd in cfg["cgroup_fds"].items():
+        if controller == "cpu":  # joined per tenant when the call comes (_join_tenant)
+            out[controller] = os.dup(base_fd)
+            continue
         try:
             os.mkdir(str(uid), dir_fd=base_fd)
         except FileExistsError:
@@ -162,12 +165,33 @@ def _join_cgroups(cfg: dict, uid: int) -> dict[str, int]:
     return out
 
 
-def _set_cgroup_limits(fds: dict[str, int], lim: dict) -> None:
-    """Limit the call as a whole: memory across all its processes, and their number."""
+def _set_cgroup_limits(fds: dict[str, int], lim: dict, tenant_group: str) -> None:
+    """Limit the call as a whole: memory across all its processes, and their number; and
+    share the CPU by tenant: the call joins its tenant's group in the cpu hierarchy (equal
+    weights), so one tenant's busy calls together get one tenant's share, however many."""
     values = {"memory": lim["memory_bytes"], "pids": lim["processes"]}
     for controller, fd in fds.items():
-        os.write(fd, str(values[controller]).encode())
+        if controller == "cpu":
+            _join_tenant(fd, tenant_group)
+        else:
+            os.write(fd, str(values[controller]).encode())
         os.close(fd)
+
+
+def _join_tenant(cpu_fd: int, group: str) -> None:
+    try:
+        os.mkdir(group, dir_fd=cpu_fd)
+    except FileExistsError:
+        pass
+    tenant = os.open(group, os.O_RDONLY | os.O_DIRECTORY, dir_fd=cpu_fd)
+    try:
+        procs = os.open("cgroup.procs", os.O_WRONLY, dir_fd=tenant)
+        try:
+            os.write(procs, str(os.getpid()).encode())
+        finally:
+            os.close(procs)
+    finally:
+        os.close(tenant)
 
 
 def _close_fds_except(keep: set[int]) -> None:

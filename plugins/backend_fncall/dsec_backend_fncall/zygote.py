@@ -12,9 +12,9 @@ Protocol with the supervisor, over a SOCK_SEQPACKET socket (one JSON message eac
     -> the configuration                        first, once (never on the command line,
                                                 which every call could read in /proc/1/cmdline)
     -> {"op": "spawn", "urgent": bool}          start one worker (urgent: a call waits for it)
-    <- {"op": "ready", "wid", "uid"}            + fds: ctrl, stdin(w), stdout(r), stderr(r), pidfd
+    <- {"op": "ready", "wid", "uid", "urgent"}  + fds: ctrl, stdin(w), stdout(r), stderr(r), pidfd
     <- {"op": "exit", "wid", "status", "cpu_s", "max_rss"}   a worker ended (raw wait status)
-    <- {"op": "error", "message"}               a spawn failed
+    <- {"op": "error", "message", "urgent"}     a spawn failed
 
 A worker (:mod:`dsec_backend_fncall.worker`) is PID 1 of new PID, mount, network, IPC and UTS
 namespaces; it runs one call and exits. Its ``exit`` message carries the wait status the
@@ -162,7 +162,8 @@ class Zygote:
         calls being served, unless ``urgent`` (a call waits for it). The zygote itself runs at
         normal priority: it reports the exits of python calls."""
         if not self.free_uids:
-            _send(self.sock, {"op": "error", "message": "no free sandbox uid; raise uid_count"})
+            message = "no free sandbox uid; raise uid_count"
+            _send(self.sock, {"op": "error", "message": message, "urgent": urgent})
             return
         uid = self.free_uids.popleft()
         ctrl_parent, ctrl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -179,7 +180,8 @@ class Zygote:
                 os.close(fd)
             ctrl_parent.close()
             ctrl_child.close()
-            _send(self.sock, {"op": "error", "message": f"cannot start a worker: {exc}"})
+            message = f"cannot start a worker: {exc}"
+            _send(self.sock, {"op": "error", "message": message, "urgent": urgent})
             return
         if pid == 0:
             self.sock.close()
@@ -197,7 +199,7 @@ class Zygote:
         self.next_wid += 1
         self.workers[pid] = (wid, uid)
         fds = [ctrl_parent.fileno(), in_w, out_r, err_r, pidfd]
-        _send(self.sock, {"op": "ready", "wid": wid, "uid": uid}, fds)
+        _send(self.sock, {"op": "ready", "wid": wid, "uid": uid, "urgent": urgent}, fds)
         ctrl_parent.close()
         for fd in (in_w, out_r, err_r, pidfd):
             os.close(fd)
