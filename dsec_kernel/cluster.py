@@ -240,6 +240,14 @@ class LocalCluster:
         env = {f"DSEC_BACKEND_CONFIG__CONTAINER__EGRESS_{k}": v for k, v in own.items()}
         return {k: v for k, v in env.items() if k not in self.env}
 
+    async def tenant_client(self, name: str, **kw: object) -> AsyncClient:
+        """An SDK client with a new credential for tenant ``name`` (from a running event
+        loop; :meth:`tenant` from outside one); ``kw`` as AsyncClient's."""
+        conn = await ensure_tenant(
+            self.url, name, client_url=self.nats.client_url, replicas=self.kv_replicas
+        )
+        return AsyncClient(url=conn.url, token=conn.token, **kw)  # type: ignore[arg-type]
+
     def tenant(self, name: str = "default") -> Connection:
         """A new credential for tenant ``name``."""
         return asyncio.run(

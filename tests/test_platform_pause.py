@@ -11,7 +11,6 @@ from dsec_backend_container.backend import ContainerBackend
 
 import dsec_kernel as dsec
 from dsec_kernel import bus, errors
-from dsec_kernel.cluster import ensure_tenant
 from dsec_kernel.state import ClusterState
 from dsec_kernel.wire import Quota
 
@@ -189,10 +188,9 @@ async def test_another_tenants_priority_pauses_nothing_unless_the_operator_grant
     cluster.start_apiserver()
     cluster.start_edge("e", ["container"], "--heartbeat", "0.2")
     await cluster.ready()
-    mallory = await ensure_tenant(cluster.url, "mallory", client_url=cluster.nats.client_url)
     async with (
         cluster.client() as victim,
-        dsec.AsyncClient(url=mallory.url, token=mallory.token) as m,
+        await cluster.tenant_client("mallory") as m,
         victim.job("train", priority=0, lease_s=60) as job,
         m.job("jump", priority=100, lease_s=60) as theirs,
     ):

@@ -126,10 +126,9 @@ async def test_a_tenant_logging_a_lot_forgets_its_own_history_not_anothers(
     cluster.start_apiserver()
     cluster.start_edge("e", ["container"], "--heartbeat", "0.2")
     await cluster.ready()
-    mallory = await ensure_tenant(cluster.url, "mallory", client_url=cluster.nats.client_url)
     async with (
         cluster.client() as victim,
-        dsec.AsyncClient(url=mallory.url, token=mallory.token) as m,
+        await cluster.tenant_client("mallory") as m,
     ):
         (mine,) = await victim.create(backend="container", env=BUSYBOX)
         await mine.exec("echo kept")
