@@ -48,6 +48,7 @@ __all__ = [
     "TOKEN_HEADER",
     "Handler",
     "Login",
+    "NoResponders",
     "Request",
     "api_subject",
     "connect",
@@ -304,6 +305,11 @@ async def wait_accepted(url: str, login: Login, timeout: float) -> None:
                 await nc.close()
 
 
+class NoResponders(errors.Unavailable):
+    """Nothing subscribes to the subject (a service is down, or starting: for a few
+    milliseconds after a service has subscribed, a request may still find none)."""
+
+
 def validation_message(exc: ValidationError) -> str:
     """A one-line summary of a pydantic error, naming the fields."""
     parts = []
@@ -359,7 +365,7 @@ async def request_raw(
             if subject.startswith("dsec.api.")
             else ""
         )
-        raise errors.Unavailable(f"nothing is serving {subject}{hint}") from None
+        raise NoResponders(f"nothing is serving {subject}{hint}") from None
     except nats.errors.TimeoutError:
         raise errors.DeadlineExceeded(f"no reply on {subject} within {timeout:.1f}s") from None
     except nats.errors.ConnectionClosedError:

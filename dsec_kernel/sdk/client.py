@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
@@ -66,6 +67,8 @@ from dsec_kernel.wire import (
 __all__ = ["AsyncClient", "Sandbox", "Snapshot"]
 
 M = TypeVar("M", bound=BaseModel)
+#: how long a request is sent again while nothing serves the API (an apiserver restarting)
+NO_RESPONDERS_WAIT_S = 1.0
 #: seconds the client waits beyond a command's own timeout
 _MARGIN_S = 30.0
 Progress = Callable[[int, int], object]
@@ -317,10 +320,14 @@ class AsyncClient:
     async def _call(self, op: str, msg: Message, reply: type[M], timeout: float | None = None) -> M:
         """Send a request; if the connection to NATS drops meanwhile (the request or its
         answer may be lost with it), send it again once reconnected. Every request is safe to
-        repeat: reads, idempotent changes, and creates and commands by their request id."""
+        repeat: reads, idempotent changes, and creates and commands by their request id.
+        While nothing serves the API (an apiserver restarting) it is sent again for up to
+        :data:`NO_RESPONDERS_WAIT_S`."""
         if self._nc is None:
             raise errors.Unavailable("the client is not connected; use `async with` or connect()")
-        for _ in range(3):
+        patience = time.monotonic() + NO_RESPONDERS_WAIT_S
+        reconnects = 0
+        while reconnects < 3:
             if self._nc.is_closed:  # not by close(): NATS refused the login when reconnecting
                 raise errors.Unauthenticated(
                     f"NATS closed the connection before {op}: it no longer knows this credential "
@@ -333,8 +340,12 @@ class AsyncClient:
             call = asyncio.ensure_future(send)
             await asyncio.wait({call, self._lost}, return_when=asyncio.FIRST_COMPLETED)
             if call.done():
+                if isinstance(call.exception(), bus.NoResponders) and time.monotonic() < patience:
+                    await asyncio.sleep(0.05)
+                    continue
                 return call.result()
             call.cancel()
+            reconnects += 1
             try:
                 await asyncio.wait_for(self._back.wait(), timeout or self.timeout)
             except TimeoutError:
