@@ -26,6 +26,7 @@ from nats.aio.client import Client as NATS
 from dsec_kernel import __version__, bus, errors
 from dsec_kernel.admission import Admission, Admitted
 from dsec_kernel.config import ApiSettings
+from dsec_kernel.fairshare import TenantSlots
 from dsec_kernel.leases import Leases
 from dsec_kernel.placement import NodeView, PlacementPolicy, PlacementRequest
 from dsec_kernel.plugins import Hooks
@@ -125,6 +126,7 @@ class ApiServer:
         self._placed: dict[str, list[_Placed]] = defaultdict(list)
         self._down: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._fncall_inflight: dict[str, int] = defaultdict(int)
+        self._history_reads = TenantSlots(8, 2)  # each may pull up to 32 MiB
         self._by_node: dict[str, set[str]] = defaultdict(set)  # node -> sandbox ids
         self._job_nodes: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
         self._job_of: dict[str, tuple[tuple[str, str], str]] = {}  # id -> ((tenant, job), node)
@@ -811,7 +813,8 @@ class ApiServer:
         the stream keeps their entries."""
         tenant = await self._auth(req)
         r = HistoryRequest.model_validate_json(req.data)
-        return HistoryResponse(commands=await self.trajectory.read(tenant, r.sandbox_id))
+        async with self._history_reads.hold(tenant):  # a few reads at a time, fairly
+            return HistoryResponse(commands=await self.trajectory.read(tenant, r.sandbox_id))
 
     def _in_sandbox(self, op: str, model: type[Any]) -> bus.Handler:
         """A handler for requests about one of the caller's sandboxes: forwarded to its edge

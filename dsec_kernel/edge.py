@@ -28,6 +28,7 @@ from dsec_kernel.plugins import Hooks, PluginLoadError, discover, load_drivers
 from dsec_kernel.state import LIVE, ClusterState
 from dsec_kernel.trajectory import Replays, Trajectory
 from dsec_kernel.wire import (
+    MAX_RESPONSE_OUTPUT,
     BackendInfo,
     CommandRecord,
     DestroyRequest,
@@ -480,6 +481,11 @@ class Edge:
 
     async def _exec(self, req: bus.Request) -> ExecResponse:
         r = ExecRequest.model_validate_json(req.data)
+        # what the answer can carry is shared out before the commands run, not after: 150
+        # commands printing 8 MiB each were held whole (2.9 GB) to send back 12 MB
+        share = MAX_RESPONSE_OUTPUT // (2 * len(r.sandbox_ids))
+        if r.max_output_bytes > share:
+            r = r.model_copy(update={"max_output_bytes": max(share, 4096)})
         results = await asyncio.gather(*(self._exec_one(r, sid) for sid in r.sandbox_ids))
         return ExecResponse(results=fit_results(list(results)))
 
@@ -735,7 +741,7 @@ def _power_response(ids: list[str], results: list[Any]) -> PauseResponse:
             out.failed.append(Failure(id=sid, error=res.to_wire()))
         else:
             log.error("pause/resume of %s failed", sid, exc_info=res)
-            err = errors.Internal(f"pause/resume of {sid} failed: {res}")
+            err = errors.Internal(f"pause/resume of {sid} failed; the edge's log says why")
             out.failed.append(Failure(id=sid, error=err.to_wire()))
     return out
 

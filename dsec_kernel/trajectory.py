@@ -13,8 +13,11 @@ erased every tenant's history and the request ids behind exactly-once commands).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
+from collections.abc import Awaitable
 
+import nats.errors
 import nats.js.errors
 from nats.js import api
 from nats.js.client import JetStreamContext
@@ -26,6 +29,12 @@ __all__ = ["READ_BYTES", "Replays", "Trajectory", "stream", "subject"]
 
 #: most bytes of entries one read keeps (the newest)
 READ_BYTES = 32 << 20
+#: entries pulled at a time (each at most ~1.2 MiB: a command line of 1 MiB, capped output)
+FETCH = 16
+#: most entries kept per sandbox (its oldest go first)
+PER_SANDBOX = 10_000
+#: seconds a read of a sandbox's log serves the request ids looked up in it
+LOG_CACHE_S = 10.0
 
 
 def stream(tenant: str) -> str:
@@ -61,6 +70,7 @@ class Trajectory:
             num_replicas=self.config["replicas"],
             max_age=self.config["max_age"],
             max_bytes=self.config["max_bytes"],
+            max_msgs_per_subject=PER_SANDBOX,
             discard=api.DiscardPolicy.OLD,
         )
         try:
@@ -80,37 +90,37 @@ class Trajectory:
         self, tenant: str, sandbox_id: str, max_bytes: int = READ_BYTES
     ) -> list[CommandRecord]:
         """The newest entries still kept, oldest first, ``seq`` set: as many as fit in
-        ``max_bytes`` (what one reply can carry; reading is never unbounded)."""
+        ``max_bytes`` (what one reply can carry). Pulled in batches of :data:`FETCH`, so the
+        connection never holds more than a batch (a push consumer once delivered a whole
+        150 MiB log at once, and NATS dropped the service's connection as a slow consumer)."""
+        config = api.ConsumerConfig(
+            ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL,
+            inactive_threshold=60.0,
+        )  # fmt: skip
         try:
-            sub = await self.js.subscribe(
-                subject(tenant, sandbox_id),
-                stream=stream(tenant),
-                ordered_consumer=True,
-                deliver_policy=api.DeliverPolicy.ALL,
-                pending_msgs_limit=-1,
-                pending_bytes_limit=-1,
+            sub = await self.js.pull_subscribe(
+                subject(tenant, sandbox_id), stream=stream(tenant), config=config
             )
         except nats.js.errors.NotFoundError:  # nothing logged for the tenant yet
             return []
         try:
-            info = await sub.consumer_info()
-            sent = info.delivered.consumer_seq if info.delivered else 0
-            if info.num_pending == 0 and not sent:
+            if (await sub.consumer_info()).num_pending == 0:
                 return []
             out: deque[tuple[int, CommandRecord]] = deque()
             held = 0
             while True:
                 try:
-                    msg = await sub.next_msg(timeout=10)
-                except TimeoutError:
+                    msgs = await sub.fetch(batch=FETCH, timeout=10)
+                except nats.errors.TimeoutError:
                     break
-                rec = CommandRecord.model_validate_json(msg.data)
-                rec.seq = msg.metadata.sequence.stream
-                out.append((len(msg.data), rec))
-                held += len(msg.data)
-                while held > max_bytes and out:
-                    held -= out.popleft()[0]
-                if msg.metadata.num_pending == 0:
+                for msg in msgs:
+                    rec = CommandRecord.model_validate_json(msg.data)
+                    rec.seq = msg.metadata.sequence.stream
+                    out.append((len(msg.data), rec))
+                    held += len(msg.data)
+                    while held > max_bytes and out:
+                        held -= out.popleft()[0]
+                if not msgs or msgs[-1].metadata.num_pending == 0:
                     break
             return [rec for _, rec in out]
         finally:
@@ -123,7 +133,9 @@ class Replays:
     result (waiting for it if it is still running) instead of running again.
 
     Results not kept in memory (older ones, or from before an edge restart) are read back
-    from the trajectory, output capped as it was logged.
+    from the trajectory, output capped as it was logged: one read at a time per sandbox,
+    shared by every request that needs it and kept for :data:`LOG_CACHE_S` (twenty resends
+    of an old id at once were twenty reads of the whole log).
     """
 
     def __init__(self, trajectory: Trajectory, keep: int = 8) -> None:
@@ -131,6 +143,7 @@ class Replays:
         self.keep = keep
         self._ids: dict[str, set[str]] = {}
         self._results: dict[str, dict[str, asyncio.Future[ExecResult]]] = {}
+        self._logs: dict[str, tuple[float, asyncio.Future[dict[str, CommandRecord]]]] = {}
 
     async def lookup(
         self, tenant: str, sandbox_id: str, request_id: str
@@ -138,20 +151,41 @@ class Replays:
         """The run of ``request_id`` in the sandbox, or None if it never ran there."""
         ids = self._ids.get(sandbox_id)
         if ids is None:  # first request since this edge started: learn what ran before
-            log = await self.trajectory.read(tenant, sandbox_id)
+            logged = await self._logged(tenant, sandbox_id)
             ids = self._ids.setdefault(sandbox_id, set())
-            ids.update(r.request_id for r in log if r.request_id)
+            ids.update(logged)
         if request_id not in ids:
             return None
         fut = self._results.get(sandbox_id, {}).get(request_id)
         if fut is not None:
             return fut
-        for rec in reversed(await self.trajectory.read(tenant, sandbox_id)):
-            if rec.request_id == request_id:
-                done: asyncio.Future[ExecResult] = asyncio.get_running_loop().create_future()
-                done.set_result(_result(sandbox_id, rec))
-                return done
-        return None
+        rec = (await self._logged(tenant, sandbox_id)).get(request_id)
+        if rec is None:  # ran after the read that is kept: read again
+            rec = (await self._logged(tenant, sandbox_id, fresh=True)).get(request_id)
+        if rec is None:
+            return None
+        done: asyncio.Future[ExecResult] = asyncio.get_running_loop().create_future()
+        done.set_result(_result(sandbox_id, rec))
+        return done
+
+    async def _logged(
+        self, tenant: str, sandbox_id: str, fresh: bool = False
+    ) -> dict[str, CommandRecord]:
+        """request id -> its first entry in the sandbox's log (see the class docstring);
+        ``fresh``: read again unless a read is under way."""
+        hit = self._logs.get(sandbox_id)
+        stale = (
+            hit is not None and hit[1].done() and (fresh or time.monotonic() - hit[0] > LOG_CACHE_S)
+        )
+        if hit is None or stale:
+            read = asyncio.ensure_future(self.trajectory.read(tenant, sandbox_id))
+            hit = self._logs[sandbox_id] = (time.monotonic(), asyncio.ensure_future(_by_id(read)))
+        try:
+            return await asyncio.shield(hit[1])
+        except Exception:
+            if self._logs.get(sandbox_id) is hit:
+                del self._logs[sandbox_id]  # not kept: the next request reads again
+            raise
 
     def fresh(self, sandbox_id: str) -> None:
         """A sandbox made by this edge: nothing ran in it before, no log to read back."""
@@ -181,6 +215,15 @@ class Replays:
     def forget(self, sandbox_id: str) -> None:
         self._ids.pop(sandbox_id, None)
         self._results.pop(sandbox_id, None)
+        self._logs.pop(sandbox_id, None)
+
+
+async def _by_id(read: Awaitable[list[CommandRecord]]) -> dict[str, CommandRecord]:
+    out: dict[str, CommandRecord] = {}
+    for rec in await read:
+        if rec.request_id:
+            out.setdefault(rec.request_id, rec)
+    return out
 
 
 def _result(sandbox_id: str, rec: CommandRecord) -> ExecResult:

@@ -34,8 +34,10 @@ DEFAULT_MAX_OUTPUT = 1 << 20
 MAX_OUTPUT = 8 << 20
 #: Largest file one read_file / write_file moves.
 MAX_FILE_BYTES = 16 << 20
-#: Most characters of a command's argv, env and cwd together (Linux takes 2 MiB at most)
+#: Most bytes of a command's argv, env and cwd together (Linux takes 2 MiB at most)
 MAX_COMMAND_LINE = 1 << 20
+#: Most bytes of stdin one exec request feeds all its sandboxes together
+MAX_BATCH_STDIN = 64 << 20
 #: Most output one ExecResponse carries over all its results (it must fit one NATS message).
 MAX_RESPONSE_OUTPUT = 24 << 20
 
@@ -119,11 +121,17 @@ class ExecRequest(Message):
     @model_validator(mode="after")
     def _fits_a_command_line(self) -> ExecRequest:
         words = [self.command] if isinstance(self.command, str) else self.command
-        size = sum(len(w) for w in words) + sum(len(k) + len(v) for k, v in self.env.items())
-        if size + len(self.cwd or "") > MAX_COMMAND_LINE:
+        words = [*words, *self.env, *self.env.values(), self.cwd or ""]
+        size = sum(len(w.encode(errors="surrogatepass")) for w in words)
+        if size > MAX_COMMAND_LINE:
             raise ValueError(
-                f"command, env and cwd hold {size} characters; at most {MAX_COMMAND_LINE} "
+                f"command, env and cwd take {size} bytes; at most {MAX_COMMAND_LINE} "
                 "(pass data on stdin or in a file)"
+            )
+        if len(self.stdin) * len(self.sandbox_ids) > MAX_BATCH_STDIN:
+            raise ValueError(
+                f"{len(self.stdin)} bytes of stdin for each of {len(self.sandbox_ids)} "
+                f"sandboxes is over {MAX_BATCH_STDIN} in all; write the input to a file in each"
             )
         return self
 

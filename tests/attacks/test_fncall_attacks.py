@@ -225,6 +225,37 @@ async def test_a_batch_larger_than_the_slots_completes(victim, attack):
            f"all 2,000 done in {took:.1f}s")  # fmt: skip
 
 
+def peak_rss(platform) -> int:
+    """The edge's peak resident memory so far (bytes)."""
+    status = Path(f"/proc/{platform.cluster.edges['node-a'].proc.pid}/status").read_text()
+    return (
+        int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1]) << 10
+    )
+
+
+async def test_a_batch_printing_a_lot_costs_the_edge_only_what_it_answers(
+    platform, attacker, attack
+):
+    """150 commands printing 8 MiB to each stream: each keeps its share of the one answer
+    from the start (they were held whole, 2.9 GB, to send back 12 MB)."""
+    sbs = await attacker.create(count=150, backend="fncall")
+    try:
+        before = peak_rss(platform)
+        results = await attacker.exec_many(
+            sbs, "head -c 8388608 /dev/zero; head -c 8388608 /dev/zero >&2", timeout=60
+        )
+        grew = peak_rss(platform) - before
+        kept = sum(len(r.stdout) + len(r.stderr) for r in results)
+        assert all(r.truncated for r in results) and kept <= 24 << 20, kept
+        assert grew < 512 << 20, f"the edge grew by {grew >> 20} MiB"
+        with pytest.raises(errors.InvalidArgument, match="stdin"):
+            await attacker.exec_many(sbs, "cat", stdin=b"x" * (1 << 20), timeout=10)
+        attack("150 commands printing 16 MiB each; a big stdin for each", "fncall",
+               f"edge peak +{grew >> 20} MiB, {kept >> 20} MiB sent; stdin refused")  # fmt: skip
+    finally:
+        await attacker.destroy(sbs)
+
+
 # -- nothing a call reaches holds a platform secret ------------------------------------------
 
 #: NATS URLs, credentials and tokens anywhere a call can look: its environment, every
@@ -305,11 +336,12 @@ print(json.dumps({"found": found, "root": sorted(os.listdir("/")),
 
 async def test_the_view_holds_only_the_hosts_programs(platform, attacker, attack, tmp_path):
     """Files planted on the host outside the view's paths (the state directory, the edge's
-    working directory, /tmp, /var/tmp, /root, /opt) are out of reach, by their paths and
-    through /proc/*/cwd and /proc/*/root, with the call's cwd set to those magic links too."""
+    working directory, /tmp, /var/tmp, /root, /opt, and /etc beyond what programs need) are
+    out of reach, by their paths and through /proc/*/cwd and /proc/*/root, with the call's
+    cwd set to those magic links too."""
     secret = "dsec-marker-" + os.urandom(8).hex()
     places = [platform.cluster.state_dir, Path.cwd(), Path("/tmp"), Path("/var/tmp"),
-              Path("/root"), Path("/opt")]  # fmt: skip
+              Path("/root"), Path("/opt"), Path("/etc")]  # fmt: skip (/etc: its pip.conf...)
     planted = [d / f".{secret}" for d in places if d.is_dir()]
     for f in planted:
         f.write_text(secret)
@@ -436,8 +468,10 @@ async def test_write_file_fills_a_sandbox_only_to_its_limits(attacker, attack):
                 await sb.write_file(f"/tmp/d/{i}", b"")
                 made += 1
         assert made < 100, made
-        attack("fill a fncall sandbox's files (4 MiB writes, then empty files)", "fncall",
-               f"quota_exceeded at 16 MiB ({written} files) and at 100 entries")  # fmt: skip
+        with pytest.raises(errors.InvalidArgument, match="deep"):  # (1,500 once broke destroy
+            await sb.write_file("/tmp/" + "a/" * 100 + "f", b"")  # and the supervisor's start)
+        attack("fill a fncall sandbox's files (4 MiB writes, empty files, a deep path)", "fncall",
+               f"quota_exceeded at 16 MiB ({written} files), 100 entries; too deep")  # fmt: skip
     finally:
         await attacker.destroy([sb])
 

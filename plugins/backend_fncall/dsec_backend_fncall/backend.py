@@ -35,6 +35,7 @@ from dsec_kernel.backend import (
     SandboxStatus,
 )
 from dsec_kernel.cgroups import favor_dynamic_changes, v1_controllers
+from dsec_kernel.fileio import remove_tree
 from dsec_kernel.procs import die_with_parent
 from dsec_kernel.wire import (
     MAX_FILE_BYTES,
@@ -53,8 +54,17 @@ __all__ = ["FncallBackend", "FncallConfig"]
 
 log = logging.getLogger(__name__)
 _ID = re.compile(SANDBOX_ID_PATTERN)
-#: what of the host calls see by default: its programs, libraries and /etc
-VIEW_PATHS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr", "/etc")
+#: what of the host calls see by default: its programs and libraries
+VIEW_PATHS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr")
+#: and of its /etc: what programs need to run, nothing a host's operator configures
+VIEW_ETC = (
+    "passwd", "group", "hosts", "host.conf", "nsswitch.conf", "resolv.conf", "ld.so.cache",
+    "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "ca-certificates",
+    "ca-certificates.conf", "localtime", "timezone", "mime.types", "protocols", "services",
+    "os-release", "debian_version", "shells", "bash.bashrc", "profile", "profile.d",
+    "environment", "login.defs", "terminfo", "magic", "magic.mime", "inputrc",
+    "locale.alias", "mtab", "python3", "perl",
+)  # fmt: skip
 
 
 class FncallConfig(BaseModel):
@@ -77,6 +87,11 @@ class FncallConfig(BaseModel):
     files_total_mb: int = Field(
         4096, ge=1, description="what every sandbox's files may take together on the node"
     )
+    files_total_inodes: int = Field(
+        262_144, ge=16, description="files and directories of every sandbox together"
+    )
+    max_files_mb: int = Field(1024, ge=1, description="largest Limits.disk_mb a sandbox may ask")
+    max_files_inodes: int = Field(65_536, ge=16, description="largest Limits.inodes likewise")
     max_memory_mb: int = Field(4096, ge=32, description="largest memory limit a call may ask for")
     max_processes: int = Field(1024, ge=1, description="largest process limit a call may ask for")
     max_file_size_mb: int = Field(
@@ -94,6 +109,19 @@ class FncallConfig(BaseModel):
     loopback: bool = Field(False, description="bring lo up in each call's network namespace")
     cgroups: bool = Field(True, description="limit each call's memory and processes by cgroup")
     startup_timeout_s: float = Field(30.0, gt=0)
+
+    view_etc: list[str] = Field(
+        default_factory=lambda: list(VIEW_ETC),
+        description="entries of the host's /etc calls see (names, no /)",
+    )
+
+    @field_validator("view_etc")
+    @classmethod
+    def _plain_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not name or "/" in name or name in (".", ".."):
+                raise ValueError(f"{name!r}: /etc entries are plain names")
+        return names
 
     @field_validator("view_paths")
     @classmethod
@@ -166,11 +194,13 @@ class FncallBackend(Backend):
         prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
         shared = ("pool_size", "max_running", "tenant_max_running", "tmp_size_mb", "memory_mb",
                   "processes", "file_size_mb", "uid_base", "uid_count", "loopback",
-                  "cgroups", "files_mb", "files_inodes", "files_total_mb")  # fmt: skip
+                  "cgroups", "files_mb", "files_inodes", "files_total_mb",
+                  "files_total_inodes")  # fmt: skip
         self.supervisor_config = SupervisorConfig(
             socket=str(self.socket),
             files_root=str(self.root),
             view_paths=self.config.view_paths,
+            view_etc=self.config.view_etc,
             keep=sorted(prefixes),
             hide=[str(ctx.state_dir.resolve())],
             bpf_hex=compile_profile(ctx.hooks.guard_syscalls(self.name)).hex(),
@@ -274,7 +304,7 @@ class FncallBackend(Backend):
         d = self.root / ref.sandbox_id
         self._limits.pop(ref.sandbox_id, None)
         if d.exists():
-            await asyncio.to_thread(shutil.rmtree, d, True)
+            await asyncio.to_thread(remove_tree, d)
         if self.agent is not None:
             try:
                 await self.agent.signal(ref.sandbox_id, "", signal.SIGKILL)
@@ -302,6 +332,8 @@ class FncallBackend(Backend):
             ("memory_mb", limits.memory_mb, c.max_memory_mb, "MiB"),
             ("pids", limits.pids, c.max_processes, "processes"),
             ("file_size_mb", limits.file_size_mb, c.max_file_size_mb, "MiB"),
+            ("disk_mb", limits.disk_mb, c.max_files_mb, "MiB"),
+            ("inodes", limits.inodes, c.max_files_inodes, "files"),
         ):
             if (asked or 0) > most:
                 raise errors.InvalidArgument(

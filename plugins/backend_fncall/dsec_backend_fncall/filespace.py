@@ -1,10 +1,11 @@
 """What fncall sandboxes' files take on the node's disk, held to limits.
 
 Only the supervisor writes there (``write_file``; calls see the files read-only, through an
-overlay), so it can count exactly: per sandbox, bytes of file data and entries (files and
-directories), against the sandbox's ``Limits.disk_mb`` and ``Limits.inodes`` (else the
-backend's defaults); all sandboxes together against the node's ``total_mb``. A write past
-any is refused before it touches the disk (``QuotaExceeded``). Use is counted from the
+overlay), so it can count exactly: per sandbox, the bytes its entries take on disk (their
+blocks, at least one each: :func:`cost`) and how many entries (files and directories)
+against the sandbox's ``Limits.disk_mb`` and ``Limits.inodes`` (else the backend's
+defaults); all sandboxes together against the node's ``total_mb`` and ``total_inodes``. A
+write past any is refused before it touches the disk (``QuotaExceeded``). Use is counted from the
 directories at start, then kept; a destroyed sandbox's is forgotten.
 """
 
@@ -12,26 +13,36 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 from dsec_kernel import errors
 
-__all__ = ["FileSpace"]
+__all__ = ["BLOCK", "MAX_DEPTH", "FileSpace", "cost"]
+
+#: what the smallest entry is counted as
+BLOCK = 4096
+#: deepest path under a sandbox's /tmp that write_file makes
+MAX_DEPTH = 64
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class FileSpace:
     """Use and limits of the sandboxes under ``root`` (``<root>/<id>/files``, with their
     limits in ``<root>/<id>/limits.json``)."""
 
-    def __init__(self, root: Path, disk_mb: int, inodes: int, total_mb: int) -> None:
+    def __init__(
+        self, root: Path, disk_mb: int, inodes: int, total_mb: int, total_inodes: int
+    ) -> None:
         self.root = root
         self.default_bytes = disk_mb << 20
         self.default_inodes = inodes
         self.total_bytes = total_mb << 20
+        self.total_inodes = total_inodes
         self._used: dict[str, list[int]] = {  # sandbox -> [bytes, entries]
             d.name: list(_walk(d / "files")) for d in root.iterdir() if d.is_dir()
         }
-        self._total = sum(used[0] for used in self._used.values())
+        self._total = [sum(used[i] for used in self._used.values()) for i in (0, 1)]
 
     def charge(self, sandbox: str, bytes_: int, entries: int) -> None:
         """Count ``bytes_`` more (fewer, if negative) and ``entries`` more for ``sandbox``;
@@ -48,20 +59,22 @@ class FileSpace:
                 f"sandbox {sandbox}: it holds {used[1]} files and directories, the most it "
                 f"may is {limit_inodes} (Limits.inodes)"
             )
-        if bytes_ > 0 and self._total + bytes_ > self.total_bytes:
+        if (bytes_ > 0 and self._total[0] + bytes_ > self.total_bytes) or (
+            entries > 0 and self._total[1] + entries > self.total_inodes
+        ):
             raise errors.QuotaExceeded(
                 "this node's disk for fncall sandboxes' files is full; destroy sandboxes, or "
                 "create this one elsewhere"
             )
-        used[0] += bytes_
-        used[1] += entries
-        self._total += bytes_
+        for i, n in enumerate((bytes_, entries)):
+            used[i] += n
+            self._total[i] += n
 
     def forget(self, sandbox: str) -> None:
         """The sandbox's files are gone."""
         used = self._used.pop(sandbox, None)
         if used is not None:
-            self._total -= used[0]
+            self._total = [t - u for t, u in zip(self._total, used, strict=True)]
 
     def _usage(self, sandbox: str) -> list[int]:
         used = self._used.get(sandbox)
@@ -81,14 +94,43 @@ class FileSpace:
         )
 
 
+def cost(st: os.stat_result) -> int:
+    """What an entry takes on disk, as counted: its blocks, at least one (a directory or an
+    empty file takes an inode and a block's worth of metadata too)."""
+    return max(st.st_blocks * 512, st.st_size if stat.S_ISREG(st.st_mode) else 0, BLOCK)
+
+
 def _walk(root: Path) -> tuple[int, int]:
-    """(bytes of file data, entries) below ``root`` (none if it is missing)."""
+    """(bytes as :func:`cost` counts them, entries) below ``root`` (none if it is missing);
+    iterative, through directory descriptors (a tree may be deeper than any path can name),
+    never following a symlink."""
     size = count = 0
-    for d, dirs, files in os.walk(root):
-        count += len(dirs) + len(files)
-        for name in files:
+    try:
+        top = os.open(root, _DIR)
+    except (FileNotFoundError, NotADirectoryError):
+        return 0, 0
+    stack = [top]
+    try:
+        while stack:
+            fd = stack.pop()
             try:
-                size += os.lstat(os.path.join(d, name)).st_size
-            except FileNotFoundError:
-                pass
+                with os.scandir(fd) as it:
+                    entries = list(it)
+                for entry in entries:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    count += 1
+                    size += cost(st)
+                    if stat.S_ISDIR(st.st_mode):
+                        try:
+                            stack.append(os.open(entry.name, _DIR, dir_fd=fd))
+                        except (FileNotFoundError, NotADirectoryError):
+                            pass
+            finally:
+                os.close(fd)
+    finally:
+        for fd in stack:
+            os.close(fd)
     return size, count

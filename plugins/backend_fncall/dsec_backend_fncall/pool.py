@@ -119,6 +119,7 @@ class Pool:
                     "uid_base",
                     "uid_count",
                     "view_paths",
+                    "view_etc",
                     "keep",
                     "hide",
                     "bpf_hex",

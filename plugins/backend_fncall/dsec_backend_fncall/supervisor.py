@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec_backend_fncall.filespace import FileSpace
+from dsec_backend_fncall.filespace import BLOCK, MAX_DEPTH, FileSpace, cost
 from dsec_backend_fncall.pool import Pool, Worker
 from dsec_kernel import errors
 from dsec_kernel.agent import agent_pb2 as pb
@@ -72,9 +72,11 @@ class SupervisorConfig(BaseModel):
     files_mb: int = Field(64, ge=1)
     files_inodes: int = Field(4096, ge=16)
     files_total_mb: int = Field(4096, ge=1)
+    files_total_inodes: int = Field(262_144, ge=16)
     uid_base: int = Field(200_000, ge=1000)
     uid_count: int = Field(4096, ge=16)
     view_paths: list[str]
+    view_etc: list[str]
     keep: list[str]
     hide: list[str]
     bpf_hex: str
@@ -121,7 +123,10 @@ class Agent(AgentServicer):
         self.running: set[_Call] = set()
         self.files_root = Path(cfg.files_root)
         self.gid = cfg.uid_base - 1
-        self.space = FileSpace(self.files_root, cfg.files_mb, cfg.files_inodes, cfg.files_total_mb)
+        self.space = FileSpace(
+            self.files_root, cfg.files_mb, cfg.files_inodes, cfg.files_total_mb,
+            cfg.files_total_inodes,
+        )  # fmt: skip
 
     # -- exec --------------------------------------------------------------------------------
 
@@ -253,6 +258,8 @@ class Agent(AgentServicer):
             raise ValueError(
                 f"{path!r}: fncall sandboxes hold files under /tmp only (absolute, normal paths)"
             )
+        if norm.count("/") > MAX_DEPTH:
+            raise ValueError(f"{path[:100]!r}...: at most {MAX_DEPTH} directories deep")
         return root / norm[len("/tmp/") :]
 
     async def ReadFile(self, request: pb.ReadFileRequest, context) -> pb.ReadFileResponse:
@@ -288,8 +295,9 @@ class Agent(AgentServicer):
             if old is not None and not stat.S_ISREG(old.st_mode):
                 raise ValueError(f"{request.path}: not a file")
             made = [d for d in parents if not d.exists()]
+            new_cost = max(len(request.data), BLOCK)  # (a new file's blocks, as counted)
             self.space.charge(
-                request.sandbox, len(request.data) - (old.st_size if old else 0),
+                request.sandbox, new_cost + BLOCK * len(made) - (cost(old) if old else 0),
                 len(made) + (old is None),
             )  # fmt: skip
             for d in made:

@@ -1,11 +1,11 @@
 """The zygote: a minimal interpreter that forks pre-isolated workers, one per call.
 
 Runs as ``python -S -I`` (standard library only, so forks are cheap) in a mount namespace of
-its own whose root is the *sandbox view* (:func:`build_view`): only the host's programs,
-libraries and ``/etc``, the interpreter's own tree and the code, read-only; a ``/dev`` of its
-own; the sandboxes' directory at ``/run/dsec-files`` (mode 0700: a call, running as its own
-unprivileged uid, sees only its own sandbox's files, through ``/tmp``). Nothing else of the
-host is in it: what is not named is not there.
+its own whose root is the *sandbox view* (:func:`build_view`): only the host's programs and
+libraries, a few of its ``/etc`` entries and the interpreter's own tree, read-only; a
+``/dev`` of its own; the sandboxes' directory at ``/run/dsec-files`` (mode 0700: a call,
+running as its own unprivileged uid, sees only its own sandbox's files, through ``/tmp``).
+Nothing else of the host is in it: what is not named is not there.
 
 Protocol with the supervisor, over a SOCK_SEQPACKET socket (one JSON message each)::
 
@@ -79,36 +79,51 @@ def _covered(path: str, by: list[str]) -> bool:
 
 
 def build_view(
-    paths: list[str], keep: list[str], hide: list[str], files_root: str, hostname: str
+    paths: list[str],
+    etc: list[str],
+    keep: list[str],
+    hide: list[str],
+    files_root: str,
+    hostname: str,
 ) -> None:
     """Make a new mount namespace whose root is the sandbox view, and enter it (chdir "/").
 
     The view holds ``paths`` (absolute; one that is a symlink, as merged-/usr's /bin, is made
-    the same symlink) and ``keep`` (the interpreter's tree, the code: where not within
-    ``paths``), each bound from the host read-only, nosuid and nodev; ``hide`` (the
+    the same symlink) and ``keep`` (the interpreter's tree: where not within ``paths``), each
+    bound from the host read-only, nosuid and nodev; an ``/etc`` of its own with only the
+    host's entries named in ``etc`` (the host's /etc holds what no call should read: an
+    index's credentials in pip.conf, say) and ``hostname`` saying ``hostname``; ``hide`` (the
     platform's own paths, where they lie within those) under empty tmpfs; ``/dev`` with
-    :data:`DEVICES` only; ``/etc/hostname`` saying ``hostname``; ``files_root`` at
-    :data:`~dsec_backend_fncall.worker.FILES_MOUNT`; empty ``/proc``, ``/sys``, ``/tmp`` and
-    ``/run`` to mount on. The host's root is detached: nothing but these is reachable.
+    :data:`DEVICES` only; ``files_root`` at :data:`~dsec_backend_fncall.worker.FILES_MOUNT`;
+    empty ``/proc``, ``/sys``, ``/tmp`` and ``/run`` to mount on. The host's root is
+    detached: nothing but these is reachable.
     """
     linux.unshare(linux.CLONE_NEWNS)
     linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
     os.chdir("/")
-    links = {p: os.readlink(p) for p in paths if os.path.islink(p)}
-    binds = [p for p in paths if p not in links and os.path.isdir(p)]
+    entries = [f"/etc/{name}" for name in etc]
+    links = {p: os.readlink(p) for p in [*paths, *entries] if os.path.islink(p)}
+    binds = [p for p in [*paths, *entries] if p not in links and os.path.exists(p)]
     binds += [k for k in keep if os.path.isdir(k) and not _covered(k, binds)]
-    fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in binds}
+    fds = {p: os.open(p, os.O_PATH) for p in binds}
     files_fd = os.open(files_root, os.O_PATH | os.O_DIRECTORY)
     linux.mount("tmpfs", _STAGE, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "mode=0755,size=1m")
     root = _STAGE
     for path, target in links.items():
         os.makedirs(root + os.path.dirname(path), mode=0o755, exist_ok=True)
         os.symlink(target, root + path)
+    os.makedirs(root + "/etc", mode=0o755, exist_ok=True)
     for path, fd in fds.items():
-        os.makedirs(root + path, mode=0o755, exist_ok=True)
+        os.makedirs(root + os.path.dirname(path), mode=0o755, exist_ok=True)
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            os.makedirs(root + path, mode=0o755, exist_ok=True)
+        else:  # a file of /etc: bound onto a file
+            os.close(os.open(root + path, os.O_CREAT | os.O_WRONLY, 0o644))
         _bind_fd(fd, root + path)
         linux.mount_setattr(root + path, _RO)
         os.close(fd)
+    with open(root + "/etc/hostname", "w") as f:
+        f.write(hostname + "\n")
     for d, mode in (("proc", 0o555), ("sys", 0o555), ("tmp", 0o1777), ("run", 0o755)):
         os.makedirs(f"{root}/{d}", exist_ok=True)
         os.chmod(f"{root}/{d}", mode)
@@ -120,10 +135,6 @@ def build_view(
         if os.path.isdir(root + h) and not os.path.islink(root + h):
             linux.mount("tmpfs", root + h, "tmpfs", linux.MS_RDONLY, "size=0")
     _make_dev(root + "/dev")
-    if os.path.isfile(root + "/etc/hostname"):
-        with open(f"{root}/run/hostname", "w") as f:
-            f.write(hostname + "\n")
-        linux.mount(f"{root}/run/hostname", root + "/etc/hostname", None, linux.MS_BIND)
     linux.mount_setattr(root, linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID, recursive=False)
     os.chdir(root)
     linux.pivot_root(".", ".")
@@ -268,8 +279,8 @@ def main(sock: socket.socket, cfg: dict) -> None:
     }
     pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)
     build_view(
-        cfg.pop("view_paths"), cfg.pop("keep"), cfg.pop("hide"), cfg.pop("files_root"),
-        cfg["hostname"],
+        cfg.pop("view_paths"), cfg.pop("view_etc"), cfg.pop("keep"), cfg.pop("hide"),
+        cfg.pop("files_root"), cfg["hostname"],
     )  # fmt: skip
     try:
         Zygote(cfg, sock, pidns).serve()
