@@ -70,7 +70,10 @@ from dsec_kernel.wire import (
     fit_results,
 )
 
-__all__ = ["ApiServer"]
+__all__ = ["LIST_PAGE_BYTES", "ApiServer"]
+
+#: most bytes of records one page of ``list`` carries
+LIST_PAGE_BYTES = 8 << 20
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +131,8 @@ class ApiServer:
         self._fncall_inflight: dict[str, int] = defaultdict(int)
         self._history_reads = TenantSlots(8, 2)  # each may pull up to 32 MiB
         self._by_node: dict[str, set[str]] = defaultdict(set)  # node -> sandbox ids
+        self._by_tenant: dict[str, set[str]] = defaultdict(set)  # tenant -> sandbox ids
+        self._tenant_of: dict[str, str] = {}  # sandbox id -> tenant
         self._job_nodes: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
         self._job_of: dict[str, tuple[tuple[str, str], str]] = {}  # id -> ((tenant, job), node)
         self.job_members: dict[tuple[str, str], set[str]] = defaultdict(set)  # (tenant, job)
@@ -248,6 +253,10 @@ class ApiServer:
             self._by_request[(info.tenant, info.request_id)].add(sandbox_id)
         if info is None:
             self._expiry_of.pop(sandbox_id, None)
+            if (tenant := self._tenant_of.pop(sandbox_id, None)) is not None:
+                self._by_tenant[tenant].discard(sandbox_id)
+                if not self._by_tenant[tenant]:
+                    del self._by_tenant[tenant]
             for ids in self._by_node.values():
                 ids.discard(sandbox_id)
             if (req := self._request_of.pop(sandbox_id, None)) is not None:
@@ -261,6 +270,8 @@ class ApiServer:
                     del self.job_members[old[0]]
             return
         self._by_node[info.node].add(sandbox_id)
+        self._tenant_of[sandbox_id] = info.tenant
+        self._by_tenant[info.tenant].add(sandbox_id)
         if info.job and sandbox_id not in self._job_of:
             key = (info.tenant, info.job)
             self._job_of[sandbox_id] = (key, info.node)
@@ -692,16 +703,22 @@ class ApiServer:
                         heapq.heappush(self._expiries, (info.expires_at or now, info.id))
 
     async def _list(self, req: bus.Request) -> ListResponse:
+        """The caller's sandboxes by id, a page at a time: at most ``limit``, and no more
+        than :data:`LIST_PAGE_BYTES` of records (one reply must fit a NATS message)."""
         tenant = await self._auth(req)
         r = ListRequest.model_validate_json(req.data)
         want = r.labels.items()
-        return ListResponse(
-            sandboxes=[
-                info
-                for info, _ in self.sandboxes.items.values()
-                if info.tenant == tenant and want <= info.labels.items()
-            ]
-        )
+        page: list[SandboxInfo] = []
+        size = 0
+        for sid in sorted(i for i in self._by_tenant.get(tenant, ()) if i > (r.after or "")):
+            hit = self.sandboxes.items.get(sid)
+            if hit is None or not want <= hit[0].labels.items():
+                continue
+            size += len(hit[0].model_dump_json())
+            if len(page) == r.limit or (page and size > LIST_PAGE_BYTES):
+                return ListResponse(sandboxes=page, next=page[-1].id)
+            page.append(hit[0])
+        return ListResponse(sandboxes=page)
 
     async def _status(self, req: bus.Request) -> SandboxInfo:
         tenant = await self._auth(req)

@@ -398,9 +398,9 @@ class _Endpoints:
 
     At most ``limit`` requests run at once, and at most ``per_caller`` of one credential's
     (the token a request carries; none: only the total counts), holding at most
-    ``caller_bytes`` of request bodies together (a tenant's queued calls of 16 MiB each would
-    otherwise fill the services' memory). One past any is answered at once with a retryable
-    error, never made to wait: the subscription's callback must not
+    ``caller_bytes`` of requests (bodies and headers) together (a tenant's queued calls of
+    16 MiB each would otherwise fill the services' memory). One past any is answered at once
+    with a retryable error, never made to wait: the subscription's callback must not
     block, or every caller's requests would queue behind one caller's thousands of long
     waits (a tenant's 20,500 creates with ``wait_s=600`` once held every other tenant's calls
     for ten minutes)."""
@@ -470,14 +470,16 @@ class _Endpoints:
             data = result if isinstance(result, bytes) else result.model_dump_json().encode()
             await req.respond(data)
 
-        async def run(req: Request, caller: str, refusal: errors.DsecError | None) -> None:
+        async def run(
+            req: Request, caller: str, size: int, refusal: errors.DsecError | None
+        ) -> None:
             try:
                 await (answer(req) if refusal is None else _respond_error(req, refusal))
             except Exception:
                 log.exception("could not answer a request on %s", req.subject)
             finally:
                 self.running[caller] -= 1
-                self.holding[caller] -= 0 if refusal else len(req.data)
+                self.holding[caller] -= 0 if refusal else size
                 if not self.running[caller]:
                     del self.running[caller], self.holding[caller]
 
@@ -485,12 +487,14 @@ class _Endpoints:
             if self.accept is not None and not self.accept(req):
                 self._drop(req)
                 return
-            token = (req.headers or {}).get(TOKEN_HEADER)
+            headers = req.headers or {}
+            token = headers.get(TOKEN_HEADER)
             caller = token_key(token) if token else ""
-            refusal = self._refusal(caller, len(req.data))
+            size = len(req.data) + sum(len(k) + len(v) for k, v in headers.items())
+            refusal = self._refusal(caller, size)
             self.running[caller] += 1  # (a refused one too, until its answer is sent)
-            self.holding[caller] += 0 if refusal else len(req.data)
-            task = asyncio.create_task(run(req, caller, refusal))
+            self.holding[caller] += 0 if refusal else size
+            task = asyncio.create_task(run(req, caller, size, refusal))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 

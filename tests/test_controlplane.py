@@ -30,6 +30,8 @@ from dsec_kernel.wire import (
     CreateResponse,
     EdgeSandbox,
     Limits,
+    ListRequest,
+    ListResponse,
     Quota,
     SandboxSpec,
 )
@@ -154,6 +156,20 @@ async def test_big_creates_are_batched_and_all_listed(platform):
     assert len(await c.list()) == 1200
     assert len(await c.destroy(sbs)) == 1200
     assert await c.list() == []
+    await c.close()
+
+
+async def test_list_comes_in_pages_by_id(platform):
+    await platform.add_edge("e1", backend_config={"noop": {"max_sandboxes": 2000}})
+    c = await platform.tenant("alice")
+    sbs = await c.create(count=1200, backend="noop")  # (two batches)
+    listed = [sb.id for sb in await c.list()]
+    assert listed == sorted(sb.id for sb in sbs)
+    page = await c._call("list", ListRequest(limit=10), ListResponse)
+    assert len(page.sandboxes) == 10 and page.next == page.sandboxes[-1].id
+    rest = await c._call("list", ListRequest(after=page.next, limit=1000), ListResponse)
+    assert [i.id for i in page.sandboxes + rest.sandboxes] == listed[:1010]
+    await c.destroy(sbs)
     await c.close()
 
 

@@ -434,9 +434,16 @@ class AsyncClient:
         return Sandbox(self, info)
 
     async def list(self, labels: dict[str, str] | None = None) -> list[Sandbox]:
-        """Your sandboxes (those carrying all of ``labels``, when given)."""
-        resp = await self._call("list", _model(ListRequest, labels=labels or {}), ListResponse)
-        return [Sandbox(self, info) for info in resp.sandboxes]
+        """Your sandboxes (those carrying all of ``labels``, when given), by id."""
+        out: list[Sandbox] = []
+        after: str | None = None
+        while True:
+            req = _model(ListRequest, labels=labels or {}, after=after)
+            resp = await self._call("list", req, ListResponse)
+            out += [Sandbox(self, info) for info in resp.sandboxes]
+            if resp.next is None:
+                return out
+            after = resp.next
 
     async def destroy(self, sandboxes: Sandbox | str | Iterable[Sandbox | str]) -> list[str]:
         """Destroy sandboxes (handles or ids). Idempotent; returns the ids destroyed."""

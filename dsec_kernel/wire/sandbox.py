@@ -194,13 +194,18 @@ class StatusRequest(Message):
 
 
 class ListRequest(Message):
+    """One page of the caller's sandboxes, by id: those after ``after``."""
+
     type: Literal["io.dsec.sandbox.v1.list_request"] = "io.dsec.sandbox.v1.list_request"
     labels: Labels = Field(default_factory=dict, description="only sandboxes with these")
+    after: str | None = Field(None, max_length=64, description="the previous page's next")
+    limit: int = Field(MAX_BATCH, ge=1, le=MAX_BATCH, description="most sandboxes on the page")
 
 
 class ListResponse(Message):
     type: Literal["io.dsec.sandbox.v1.list_response"] = "io.dsec.sandbox.v1.list_response"
     sandboxes: list[SandboxInfo]
+    next: str | None = Field(None, description="set when there are more: ask again after it")
 
 
 class DestroyRequest(Message):

@@ -340,8 +340,15 @@ async def test_the_view_holds_only_the_hosts_programs(platform, attacker, attack
     out of reach, by their paths and through /proc/*/cwd and /proc/*/root, with the call's
     cwd set to those magic links too."""
     secret = "dsec-marker-" + os.urandom(8).hex()
-    places = [platform.cluster.state_dir, Path.cwd(), Path("/tmp"), Path("/var/tmp"),
-              Path("/root"), Path("/opt"), Path("/etc")]  # fmt: skip (/etc: its pip.conf...)
+    places = [
+        platform.cluster.state_dir,
+        Path.cwd(),
+        Path("/tmp"),
+        Path("/var/tmp"),
+        Path("/root"),
+        Path("/opt"),
+        Path("/etc"),
+    ]  # fmt: skip (/etc: its pip.conf...)
     planted = [d / f".{secret}" for d in places if d.is_dir()]
     for f in planted:
         f.write_text(secret)
