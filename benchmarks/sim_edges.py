@@ -40,7 +40,7 @@ async def main(url: str, count: int, prefix: str) -> None:
                 heartbeat_s=1.0,
             )
             backends, _ = load_backends(s)
-            edge = Edge(nc, s, backends, hooks)
+            edge = Edge(nc, s, backends, hooks, connect=lambda: bus.connect(url, login=login))
             await edge.start()
             edges.append(edge)
         print("ready", flush=True)

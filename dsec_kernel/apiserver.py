@@ -285,7 +285,9 @@ class ApiServer:
             self.views.pop(name, None)
             return
         view = self.views.get(name)
-        if view is None or info.heartbeat_at != view.info.heartbeat_at:
+        if view is None or (info.heartbeat_at, info.alive_at) != (
+            view.info.heartbeat_at, view.info.alive_at,
+        ):  # fmt: skip
             self._seen[name] = time.monotonic()
         if view is None:
             view = self.views[name] = NodeView(info)

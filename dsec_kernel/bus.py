@@ -52,6 +52,7 @@ __all__ = [
     "Request",
     "api_subject",
     "connect",
+    "connect_service",
     "disconnect",
     "edge_subject",
     "login_in_url",
@@ -268,6 +269,20 @@ async def connect(
         f"cannot reach NATS at {where} within {timeout:g}s: {_describe(last)}; "
         "is `dsec up` running, or is --nats-url / DSEC_URL right?"
     )
+
+
+async def connect_service(
+    url: str, name: str, login_file: Path | None = None, credentials: Path | None = None
+) -> NATS:
+    """A service's connection: the login from ``login_file`` (the service password never in
+    a URL or an environment), or ``credentials`` (a NATS creds file)."""
+    if "@" in url:
+        log.warning(
+            "the NATS URL carries a credential, which every process this one starts inherits "
+            "(a sandbox's init included): give it with --nats-login-file instead"
+        )
+    login = Login.read(login_file) if login_file else None
+    return await connect(url, name=name, login=login, credentials=credentials, timeout=30)
 
 
 async def wait_accepted(url: str, login: Login, timeout: float) -> None:

@@ -14,16 +14,17 @@ import os
 import time
 import uuid
 from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from typing import Any
 
-import nats.errors
 from nats.aio.client import Client as NATS
 from pydantic import ValidationError
 
 from dsec_kernel import __version__, bus, errors
 from dsec_kernel.backend import Backend, BackendContext, ExecCall, SandboxRef
 from dsec_kernel.config import EdgeSettings
+from dsec_kernel.heartbeat import Heartbeat
 from dsec_kernel.plugins import Hooks, PluginLoadError, discover, load_drivers
 from dsec_kernel.state import LIVE, ClusterState
 from dsec_kernel.trajectory import Replays, Trajectory
@@ -131,7 +132,9 @@ class Edge:
         settings: EdgeSettings,
         backends: dict[str, Backend],
         hooks: Hooks,
+        connect: Callable[[], Awaitable[NATS]] | None = None,
     ) -> None:
+        """``connect`` opens the heartbeat's own connection (by default, as ``settings`` say)."""
         if not backends:
             raise PluginLoadError("no backend can run on this node; `dsec plugins` says why")
         self.nc = nc
@@ -163,6 +166,14 @@ class Edge:
         self._create_slots = {n: asyncio.Semaphore(settings.create_concurrency) for n in backends}
         self._started_backends: list[Backend] = []
         self._reporting: set[asyncio.Task[None]] = set()  # lost sandboxes being reported
+        s = settings
+        self._connect = connect or (
+            lambda: bus.connect_service(
+                s.nats_url, f"dsec-edge-{self.node}-heartbeat", s.nats_login_file,
+                s.nats_credentials,
+            )
+        )  # fmt: skip
+        self.heartbeat: Heartbeat | None = None  # the thread that says the node lives
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -184,7 +195,8 @@ class Edge:
             self._started_backends.append(backend)
         self.hooks.configure("edge", self.node)
         await self.reconcile(full=True)
-        await self._heartbeat()
+        self.heartbeat = Heartbeat(self._connect, self.settings.heartbeat_s, self.node_info())
+        await asyncio.to_thread(self.heartbeat.start)
         ops = {
             "create": self._create,
             "destroy": self._destroy,
@@ -232,13 +244,11 @@ class Edge:
     async def _announce_stop(self) -> None:
         """Tell the apiservers this edge stopped on purpose: its sandboxes stay, and the node
         is not marked down (nor they lost) unless it stays away past their restart grace."""
-        if self.state is None:
+        if self.heartbeat is None:
             return
         info = self.node_info().model_copy(update={"stopping_since": time.time()})
-        try:
-            await asyncio.wait_for(self.state.put_node(info), 5)
-        except (TimeoutError, errors.DsecError, nats.errors.Error) as exc:
-            log.warning("could not announce the stop (%r): the node times out as usual", exc)
+        await asyncio.to_thread(self.heartbeat.stop, info)  # its last record
+        self.heartbeat = None
 
     async def _close_backends(self) -> None:
         for backend in reversed(self._started_backends):
@@ -309,8 +319,9 @@ class Edge:
         )
 
     async def _heartbeat(self) -> None:
-        assert self.state is not None
-        await self.state.put_node(self.node_info())
+        """Give the heartbeat thread the node's record as of now (it writes it)."""
+        if self.heartbeat is not None:
+            self.heartbeat.update(self.node_info())
 
     async def reconcile(self, full: bool = False) -> None:
         """Make the node and the cluster state agree (see the module docstring). ``full``

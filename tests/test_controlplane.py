@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections import Counter
 
@@ -77,7 +78,10 @@ class Platform:
         )
         if backends is None:
             backends, _ = load_backends(settings)
-        edge = Edge(await self._nc(node), settings, backends, Hooks.load(guards=[]))
+        edge = Edge(
+            await self._nc(node), settings, backends, Hooks.load(guards=[]),
+            connect=lambda: bus.connect(self.url, name=f"{node}-heartbeat"),
+        )  # fmt: skip
         await edge.start()
         self.edges[node] = edge
         return edge
@@ -88,6 +92,8 @@ class Platform:
     async def crash_edge(self, node: str) -> None:
         """As if the node died: its connection goes first, so it cannot say it stops."""
         edge = self.edges.pop(node)
+        assert edge.heartbeat is not None
+        await asyncio.to_thread(edge.heartbeat.stop)  # (its thread dies with the process)
         await edge.nc.close()
         await edge.stop()
 
@@ -379,6 +385,50 @@ async def test_a_silent_node_is_marked_down_and_its_sandboxes_lost(platform):
 
 async def _down(c, node):
     return any(n.node == node and n.state == "down" for n in await c.nodes())
+
+
+async def test_an_edge_whose_loop_is_held_past_the_node_timeout_stays_up(platform):
+    """Tenants' work runs on the edge's event loop; a flood of it that holds the loop past the
+    node timeout does not cost the node its sandboxes: the heartbeat has a thread of its own.
+    (The edge runs in a loop of its own here, as in its own process.)"""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def on_edge_loop(coro):
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+    async def start() -> Edge:
+        settings = EdgeSettings(
+            nats_url=platform.url, node="e1", state_dir=platform.tmp / "e1", backends=["noop"],
+            heartbeat_s=HEARTBEAT,
+        )  # fmt: skip
+        edge = Edge(
+            await bus.connect(platform.url, name="e1"), settings, load_backends(settings)[0],
+            Hooks.load(guards=[]), connect=lambda: bus.connect(platform.url, name="e1-beat"),
+        )  # fmt: skip
+        await edge.start()
+        return edge
+
+    async def stop(edge: Edge) -> None:
+        await edge.stop()
+        await edge.nc.close()
+
+    edge = await on_edge_loop(start())
+    try:
+        c = await platform.tenant("alice")
+        sbs = await c.create(count=3, backend="noop")
+        loop.call_soon_threadsafe(time.sleep, NODE_TIMEOUT * 3)  # the edge's loop held
+        await asyncio.sleep(NODE_TIMEOUT * 2)
+        assert not await _down(c, "e1")
+        assert {(await c.get(sb.id)).info.state for sb in sbs} == {"ready"}
+        assert len(await c.destroy(sbs)) == 3  # (answered once the loop is free)
+        await c.close()
+    finally:
+        await on_edge_loop(stop(edge))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
 
 
 async def test_an_edge_stopped_on_purpose_keeps_its_sandboxes_past_the_node_timeout(platform):

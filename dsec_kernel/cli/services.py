@@ -68,16 +68,9 @@ async def freeze_long_lived(freeze_s: float = 2.0, collect_s: float = 3600.0) ->
 
 async def _connect(settings: ApiSettings | EdgeSettings, name: str) -> NATS:
     """The service's NATS connection, with the login from ``nats_login_file`` if set."""
-    if "@" in settings.nats_url:
-        log.warning(
-            "the NATS URL carries a credential, which every process this one starts inherits "
-            "(a sandbox's init included): give it with --nats-login-file instead"
-        )
-    login = bus.Login.read(settings.nats_login_file) if settings.nats_login_file else None
-    return await bus.connect(
-        settings.nats_url, name=name, login=login, credentials=settings.nats_credentials,
-        timeout=30,
-    )  # fmt: skip
+    return await bus.connect_service(
+        settings.nats_url, name, settings.nats_login_file, settings.nats_credentials
+    )
 
 
 async def _apiserver(settings: ApiSettings, stop: asyncio.Event) -> None:

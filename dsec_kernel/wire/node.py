@@ -89,7 +89,8 @@ class NodeInfo(Message):
     memory_mb: int = 0
     load: NodeLoad = Field(default_factory=NodeLoad)
     started_at: float = 0.0
-    heartbeat_at: float = 0.0
+    heartbeat_at: float = Field(0.0, description="when the edge counted what this says")
+    alive_at: float = Field(0.0, description="when its edge's process last said it lives")
     heartbeat_s: float = Field(1.0, description="interval between heartbeats")
     version: str = ""
     stopping_since: float | None = Field(
