@@ -80,6 +80,27 @@ async def test_no_secret_or_host_state_through_files_or_procfs(platform, victim,
         await attacker.destroy([sb])
 
 
+async def test_file_operations_see_the_sandboxs_proc_as_its_commands_do(platform, attacker, attack):
+    """A read_file aimed at /proc/self/... tells what a command in the sandbox sees: its own
+    network, hostname and IPC, and no host path (of its cgroups, of the helper that reads)."""
+    sb = await one(attacker)
+    state = str(platform.cluster.state_dir).encode()
+    try:
+        await sb.exec("ln -s /proc/self/maps /maps")  # the helper's own, through a symlink
+        for path in ("/proc/self/net/dev", "/proc/self/net/tcp", "/proc/sys/kernel/hostname",
+                     "/proc/sysvipc/shm", "/proc/self/net/unix"):  # fmt: skip
+            seen = await sb.read_file(path)
+            assert seen == (await sb.exec(f"cat {path}")).stdout, path
+        for path in ("/maps", "/proc/self/cgroup", "/proc/self/mountinfo", "/proc/self/comm"):
+            seen = await sb.read_file(path)
+            assert state not in seen and b"dsec-container" not in seen, (path, seen[:300])
+        assert b"eth0" not in await sb.read_file("/proc/self/net/dev")  # (no network asked)
+        attack("read_file /proc/self/{net/*,cgroup,maps}, hostname, sysvipc", "container",
+               "the sandbox's own, as its commands see; no host path")  # fmt: skip
+    finally:
+        await attacker.destroy([sb])
+
+
 # -- root in a sandbox is not root on the host ---------------------------------------------
 
 

@@ -307,6 +307,7 @@ class ContainerBackend(Backend):
         await asyncio.to_thread(self.trash.close)
         await asyncio.to_thread(self.egress.close)
         await asyncio.to_thread(self._drop_swap)
+        self.helper.close()
         for digest in self._staged:
             await asyncio.to_thread(self.store.release, digest, self._holder("prestaged"))
         self._staged.clear()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import hashlib
 import logging
 import os
@@ -40,7 +41,12 @@ def compiler() -> str | None:
 
 
 class Helper:
-    """The built helper binary, kept under ``bin_dir`` by the hash of its source."""
+    """The built helper binary, kept under ``bin_dir`` by the hash of its source, and run
+    from a sealed in-memory copy of it: its processes' ``/proc/<pid>/maps`` and ``exe``, which
+    a file operation aimed at ``/proc/self/maps`` shows the sandbox, then name
+    ``/memfd:dsec-sandbox``, not a path of the host. The copy's pages are shared by every
+    process that runs it, as the file's were. :meth:`close` drops this process's copy
+    (processes running it keep theirs)."""
 
     def __init__(self, bin_dir: Path, file_timeout_s: float = 30.0) -> None:
         self.file_timeout_s = file_timeout_s
@@ -48,6 +54,14 @@ class Helper:
         self.path = bin_dir / f"dsec-sandbox-{digest}"
         if not self.path.exists():
             self._build(bin_dir)
+        self._image = _sealed_copy(self.path)
+        # the edge's own descriptor, close-on-exec: no helper inherits it
+        self.exe = f"/proc/{os.getpid()}/fd/{self._image}"
+
+    def close(self) -> None:
+        if self._image >= 0:
+            os.close(self._image)
+            self._image = -1
 
     def _build(self, bin_dir: Path) -> None:
         cc = compiler()
@@ -83,7 +97,7 @@ class Helper:
         layout); returns its host PID and a pidfd of it. Raises Unavailable (the reason goes
         to the edge's log: it names host paths)."""
         argv = [
-            str(self.path), "init", "--dir", str(sandbox_dir),
+            self.exe, "init", "--dir", str(sandbox_dir),
             "--lower", ":".join(str(p) for p in lowers),
             "--uid-base", str(uid_base), "--uid-count", str(UID_COUNT), "--hostname", hostname,
         ]  # fmt: skip
@@ -131,7 +145,7 @@ class Helper:
         timeout or cancellation.
 
         Raises SandboxLost if the sandbox is gone, InvalidArgument for an unknown user."""
-        cmd = [str(self.path), "exec", "--pidfd", str(pidfd), "--cwd", cwd]
+        cmd = [self.exe, "exec", "--pidfd", str(pidfd), "--cwd", cwd]
         for cg in cgroups:
             cmd += ["--cgroup", str(cg)]
         if user is not None and user.isdigit():
@@ -167,7 +181,7 @@ class Helper:
     async def read_file(self, pidfd: int, path: str, max_bytes: int, cgroups: list[Path]) -> bytes:
         """The whole regular file ``path`` of the sandbox, read as its root inside it, in
         ``cgroups`` (the sandbox's: its CPU, memory and processes are charged)."""
-        argv = [str(self.path), "read", "--pidfd", str(pidfd), *_cgroup_args(cgroups),
+        argv = [self.exe, "read", "--pidfd", str(pidfd), *_cgroup_args(cgroups),
                 "--max", str(max_bytes), path]  # fmt: skip
         return await _file_op(argv, pidfd, b"", path, self.file_timeout_s)
 
@@ -175,19 +189,27 @@ class Helper:
         self, pidfd: int, path: str, data: bytes, mode: int, cgroups: list[Path]
     ) -> None:
         """Replace ``path`` in the sandbox atomically, as its root inside it, in ``cgroups``."""
-        argv = [str(self.path), "write", "--pidfd", str(pidfd), *_cgroup_args(cgroups),
+        argv = [self.exe, "write", "--pidfd", str(pidfd), *_cgroup_args(cgroups),
                 "--mode", str(mode), "--size", str(len(data)), path]  # fmt: skip
         await _file_op(argv, pidfd, data, path, self.file_timeout_s)
+
+
+def _sealed_copy(path: Path) -> int:
+    """A close-on-exec memfd holding ``path``'s bytes, sealed against any change."""
+    fd = _memfd(path.read_bytes(), "dsec-sandbox", os.MFD_ALLOW_SEALING)
+    seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
 
 
 def _cgroup_args(cgroups: list[Path]) -> list[str]:
     return [arg for cg in cgroups for arg in ("--cgroup", str(cg))]
 
 
-def _memfd(data: bytes) -> int:
+def _memfd(data: bytes, name: str = "dsec", flags: int = 0) -> int:
     """A memory file holding ``data``, read from its start: what a helper reads as its
     environment or a file's new content (no pipe to feed while the helper may exit)."""
-    fd = os.memfd_create("dsec", os.MFD_CLOEXEC)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | flags)
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]

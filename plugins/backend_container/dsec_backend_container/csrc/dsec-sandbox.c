@@ -135,9 +135,11 @@ static void spare_from_oom(void) {
 /* What /proc/PID/cmdline shows (readable by anyone who sees the process): our command line
  * names host paths (cgroups, the seccomp file, the sandbox's directory), so a process the
  * sandbox can see shows only `name`. */
+/* what the sandbox sees of us in /proc: the command line and the comm */
 static void rename_self(const char *name) {
     memset(args_start, 0, args_end - args_start);
     strncpy(args_start, name, args_end - args_start - 1);
+    prctl(PR_SET_NAME, name, 0, 0, 0);
 }
 
 static void nondumpable(void) {
@@ -679,12 +681,12 @@ static void kill_child(int sig) {
     if (child > 0) kill(child, SIGKILL);
 }
 
-/* Continue as the sandbox's root in a child inside its mount, PID and user namespaces (in
- * its PID namespace, what /proc tells is the sandbox's own, e.g. /proc/loadavg's last pid);
- * this process waits and exits as the child does. */
+/* Continue as the sandbox's root in a child inside all its namespaces, as a command there
+ * would be (so what /proc tells, /proc/self/net or /proc/self/cgroup say, is the sandbox's
+ * own); this process waits and exits as the child does. */
 static void enter_files(int pidfd, char **cgroups, int ncg) {
     join_cgroups(cgroups, ncg);
-    if (setns(pidfd, CLONE_NEWNS | CLONE_NEWPID) < 0) {
+    if (setns(pidfd, SANDBOX_NS) < 0) {
         if (errno == ESRCH) {
             fputs("lost\n", stderr);
             _exit(3);
