@@ -837,12 +837,16 @@ class ApiServer:
 
     def _in_sandbox(self, op: str, model: type[Any]) -> bus.Handler:
         """A handler for requests about one of the caller's sandboxes: forwarded to its edge
-        as they came (``model`` has a ``sandbox_id``)."""
+        as they came (``model`` has a ``sandbox_id``), waited for no longer than the caller
+        waits (so the edge knows when to give up too)."""
 
         async def handle(req: bus.Request) -> bytes:
             r = model.model_validate_json(req.data)
             info = await self._lookup(await self._auth(req), r.sandbox_id)
-            return await self._edge(info.node, op, req.data, self.settings.edge_timeout_s)
+            timeout, left = self.settings.edge_timeout_s, bus.time_left()
+            if left is not None:
+                timeout = min(timeout, left)
+            return await self._edge(info.node, op, req.data, timeout)
 
         return handle
 

@@ -21,6 +21,7 @@ the token it carries, so no tenant can aim a reply at another's inbox or at a se
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import json
 import logging
@@ -45,6 +46,7 @@ from dsec_kernel import errors
 from dsec_kernel.wire import Error, Message
 
 __all__ = [
+    "TIMEOUT_HEADER",
     "TOKEN_HEADER",
     "Handler",
     "Login",
@@ -63,6 +65,7 @@ __all__ = [
     "server_urls",
     "tenant_inbox",
     "tenant_user",
+    "time_left",
     "token_key",
     "validation_message",
     "wait_accepted",
@@ -71,6 +74,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 TOKEN_HEADER = "Dsec-Token"
+#: how long the caller waits for the reply, in seconds (every :func:`request` sends it)
+TIMEOUT_HEADER = "Dsec-Timeout"
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("deadline", default=None)
 #: how often a connection pings its server (three unanswered: stale, reconnect)
 PING_INTERVAL_S = 5.0
 M = TypeVar("M", bound=BaseModel)
@@ -372,6 +378,7 @@ async def request_raw(
     headers: dict[str, str] | None = None,
 ) -> bytes:
     """Like :func:`request`, returning the reply body unparsed (errors still raised)."""
+    headers = {**(headers or {}), TIMEOUT_HEADER: f"{timeout:.3f}"}
     try:
         msg = await nc.request(subject, data, timeout=timeout, headers=headers)
     except nats.errors.NoRespondersError:
@@ -393,6 +400,14 @@ async def request_raw(
 async def _respond_error(req: Request, err: errors.DsecError) -> None:
     body = err.to_wire().model_dump_json().encode()
     await req.respond_error(err.code, err.message[:200].replace("\n", " "), data=body)
+
+
+def time_left() -> float | None:
+    """Seconds until the caller of the request being handled stops waiting for its reply
+    (what its ``Dsec-Timeout`` said, from when it came; at least 0), or None if it did not
+    say. Work that would only be done after that may be refused instead."""
+    deadline = _deadline.get()
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def replies_to_caller(req: Request) -> bool:
@@ -467,6 +482,12 @@ class _Endpoints:
 
     def wrap(self, handler: Handler) -> Callable[[Request], Awaitable[None]]:
         async def answer(req: Request) -> None:
+            try:
+                waits = float((req.headers or {}).get(TIMEOUT_HEADER, "nan"))
+            except ValueError:
+                waits = float("nan")
+            if 0 <= waits <= 86_400:  # (a NaN is neither)
+                _deadline.set(time.monotonic() + waits)
             try:
                 result = await handler(req)
             except errors.DsecError as exc:

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from dsec_kernel import errors
 from dsec_kernel.fairshare import TenantSlots
 
 
@@ -66,3 +67,21 @@ async def test_cancelled_waiters_leave_the_queue():
 async def test_bad_shares_are_refused():
     with pytest.raises(ValueError):
         TenantSlots(total=4, per_tenant=5)
+
+
+async def test_a_tenants_queue_is_bounded_and_waits_end_at_the_callers_deadline():
+    slots = TenantSlots(total=1, per_tenant=1, waiting=2)
+    granted: list[str] = []
+    await _start(slots, "a", granted)
+    waiters = [await _start(slots, "a", granted) for _ in range(2)]
+    with pytest.raises(errors.QueueFull, match="2 of this tenant's calls are waiting"):
+        await slots.acquire("a")
+    await _start(slots, "b", granted)  # another tenant's queue is its own
+    with pytest.raises(errors.DeadlineExceeded):
+        await slots.acquire("b", timeout=0.01)
+    assert len(slots.waiting["b"]) == 2  # (the one that gave up is dropped at the head)
+    for w in waiters:
+        w.cancel()
+    slots.release("a")
+    await asyncio.sleep(0)
+    assert granted == ["a", "b"] and slots.running == {"b": 1}

@@ -74,6 +74,7 @@ def platform(tmp_path_factory):
     env = {
         "DSEC_STORAGE_CONFIG__ROOT": store["root"],
         "DSEC_BACKEND_CONFIG__CONTAINER__FILE_TIMEOUT_S": "3",  # (stopped helpers, sooner)
+        "DSEC_BACKEND_CONFIG__CONTAINER__UPPER_FS_GB": "2",  # (a tenant's share: 1 GiB)
     }
     cluster = LocalCluster(root / "platform", env)
     try:

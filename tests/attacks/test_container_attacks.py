@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -345,6 +346,27 @@ async def test_filling_the_disk_stops_at_the_quota(platform, attacker, victim, a
         await victim.destroy([neighbour])
 
 
+async def test_a_tenants_sandboxes_fill_its_share_of_the_node_disk_only(
+    platform, attacker, victim, attack
+):
+    """Quotas are thin; each tenant's sandboxes together fill at most its share of the node's
+    sandbox disk (half of it: 1 GiB here), so the victim still writes."""
+    sbs = [await one(attacker, limits=dsec.Limits(disk_mb=1024)) for _ in range(3)]
+    neighbour = await one(victim)
+    try:
+        fill = "dd if=/dev/zero of=/fill bs=1M count=400 2>&1; sync; wc -c < /fill"
+        wrote = [int((await sb.exec(fill, timeout=120)).stdout.split()[-1]) >> 20 for sb in sbs]
+        assert sum(wrote) < 1024 and wrote[-1] < 400, wrote
+        r = await neighbour.exec(fill, timeout=120)
+        assert int(r.stdout.split()[-1]) >> 20 == 400, r
+        attack("3 sandboxes of 1 GiB quota each fill 400 MiB", "container",
+               f"quota exceeded at the tenant's 1 GiB ({'+'.join(map(str, wrote))} MiB); "
+               "the victim wrote 400 MiB")  # fmt: skip
+    finally:
+        await attacker.destroy(sbs)
+        await victim.destroy([neighbour])
+
+
 async def test_an_inode_flood_stops_at_the_inode_limit(platform, attacker, victim, attack):
     sb = await one(attacker, limits=dsec.Limits(inodes=5000))
     neighbour = await one(victim, limits=dsec.Limits(inodes=5000))
@@ -389,11 +411,15 @@ async def test_long_walks_of_one_tenant_hold_up_no_one_else(platform, attacker, 
 
 
 async def test_limits_past_the_nodes_are_refused(attacker, attack):
-    for limits in (dsec.Limits(memory_mb=1 << 20), dsec.Limits(pids=1 << 16)):
+    for limits in (
+        dsec.Limits(memory_mb=1 << 20), dsec.Limits(pids=1 << 16), dsec.Limits(disk_mb=1 << 24),
+        dsec.Limits(inodes=1 << 30),
+    ):  # fmt: skip
         with pytest.raises(errors.InvalidArgument, match="over the"):
             await one(attacker, limits=limits)
     assert not [s for s in await attacker.list() if s.backend == "container"]
-    attack("ask for 1 TiB of memory or 65,536 processes", "container", "invalid_argument")
+    attack("ask for 1 TiB of memory, 65,536 processes, 16 TiB of disk or 2^30 inodes",
+           "container", "invalid_argument")  # fmt: skip
 
 
 def file_helpers() -> list[int]:
@@ -455,6 +481,35 @@ async def test_stopped_file_helpers_do_not_pile_up(platform, attacker, attack):
         assert not file_helpers(), "file helpers outlived their operations"
         attack("stop the file helpers (kill -STOP -1), then 40 read_files", "container",
                f"40 answered in {took:.1f}s ({','.join(sorted(kinds))}); none left")  # fmt: skip
+    finally:
+        await attacker.destroy([sb])
+
+
+async def test_file_operations_whose_callers_gave_up_do_not_pile_up(platform, attacker, attack):
+    """Waves of read_files against a sandbox that stops every helper: the edge refuses a
+    tenant's calls past its queue at once, and those that wait stop when their callers do
+    (2 s here), so once the waves end nothing of them is left running on the edge."""
+    sb = await one(attacker, limits=dsec.Limits(pids=64))
+    try:
+        await sb.exec("(while :; do kill -STOP -1; done) >/dev/null 2>&1 &")
+        who = platform.attacker
+        async with dsec.AsyncClient(url=who.url, token=who.token, timeout=2) as quick:
+            mine = await quick.get(sb.id)
+            kinds: Counter[str] = Counter()
+            for _ in range(3):
+                got = await asyncio.gather(
+                    *(mine.read_file("/etc/passwd") for _ in range(150)), return_exceptions=True
+                )
+                kinds.update(type(r).__name__ for r in got)
+        assert set(kinds) <= {"bytes", "DeadlineExceeded", "QueueFull"}, kinds
+        assert kinds["QueueFull"] > 0, kinds
+        for _ in range(60):  # what got a turn ends at the file timeout (3 s here)
+            if not file_helpers():
+                break
+            await asyncio.sleep(0.1)
+        assert not file_helpers(), "file operations went on after their callers gave up"
+        attack("3 waves of 150 read_files (callers wait 2 s) at a sandbox stopping helpers",
+               "container", f"{dict(kinds)}; none left running")  # fmt: skip
     finally:
         await attacker.destroy([sb])
 

@@ -14,7 +14,6 @@ No Python process stays per sandbox; an idle one costs its init and kernel objec
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import hashlib
 import logging
@@ -51,7 +50,7 @@ from dsec_backend_container.seccomp import write_profile
 from dsec_backend_container.snapshots import Snapshots
 from dsec_backend_container.upperfs import UpperFs
 from dsec_backend_container.userns import UidRanges
-from dsec_kernel import errors
+from dsec_kernel import bus, errors
 from dsec_kernel.backend import (
     Backend,
     BackendContext,
@@ -123,8 +122,20 @@ class ContainerConfig(BaseModel):
     max_pids: int = Field(16384, ge=8, description="largest process limit a sandbox may ask for")
     cpus: float | None = Field(None, gt=0, description="default CPU quota (None: shares only)")
     disk_mb: int = Field(10240, ge=16, description="default disk quota of a sandbox's files")
+    max_disk_mb: int | None = Field(
+        None, ge=16, description="largest disk quota a sandbox may ask for (None: tenant_disk_mb)"
+    )
+    tenant_disk_mb: int | None = Field(
+        None,
+        ge=16,
+        description="most of the node's sandbox disk one tenant's sandboxes may fill together "
+        "(None: half of it)",
+    )
     inodes: int = Field(
         1_000_000, ge=64, description="default inode limit of a sandbox's writable layer"
+    )
+    max_inodes: int = Field(
+        4_000_000, ge=64, description="largest inode limit a sandbox may ask for"
     )
     inode_check_s: float = Field(
         1.0, gt=0, description="how often sandboxes are held to their inode limits"
@@ -134,6 +145,9 @@ class ContainerConfig(BaseModel):
     )
     file_ops: int = Field(
         32, ge=1, description="file operations in flight on the node (a tenant: 3/4 of them)"
+    )
+    file_waiting: int = Field(
+        64, ge=0, description="most file operations of one tenant waiting for a turn"
     )
     file_timeout_s: float = Field(30.0, gt=0, description="longest a file operation may take")
     upper_root: Path | None = Field(None, description="where writable layers go (local disk)")
@@ -204,6 +218,8 @@ class ContainerBackend(Backend):
         )
         self.metas: dict[str, Meta] = {}
         self.lost: set[str] = set()  # sandboxes whose init ended by itself
+        self._left: dict[str, list[Path]] = {}  # sandbox id -> exec groups left busy
+        self._left_after: dict[str, int] = {}  # sandbox id -> how many its last sweep kept
         self._staged: dict[str, None] = {}  # digests mounted ahead of use, oldest first
         self._locks: dict[str, asyncio.Lock] = {}
         self._gc: asyncio.Task[None] | None = None
@@ -248,12 +264,19 @@ class ContainerBackend(Backend):
         self.root = self.config.upper_root or ctx.state_dir / "sandboxes"
         size = int(self.config.upper_fs_gb * (1 << 30))
         self.fs = await asyncio.to_thread(
-            UpperFs(self.root, ctx.state_dir / "sandboxes.btrfs", size).open
+            UpperFs(
+                self.root,
+                ctx.state_dir / "sandboxes.btrfs",
+                size,
+                group_bytes=(self.config.tenant_disk_mb or 0) << 20 or None,
+            ).open
         )
         os.chmod(self.root, 0o700)
         self.inode_limits = InodeLimits(self.fs)
         self.lanes = Lanes(self.config.lanes)
-        self.file_slots = TenantSlots(self.config.file_ops, max(1, self.config.file_ops * 3 // 4))
+        self.file_slots = TenantSlots(
+            self.config.file_ops, max(1, self.config.file_ops * 3 // 4), self.config.file_waiting
+        )
         self.trash = Trash(self.root / ".trash", delete_tree(self.fs))
         self.helper = await asyncio.to_thread(
             Helper, ctx.state_dir / "bin", self.config.file_timeout_s
@@ -515,7 +538,7 @@ class ContainerBackend(Backend):
             for digest in layers:
                 lowers.append(self.store.mount(digest, holder))
                 mounted.append(digest)
-            sd.create(self.fs, meta.disk_bytes, len(lowers))
+            sd.create(self.fs, meta.disk_bytes, meta.tenant, len(lowers))
             self._limit(sandbox.id, spec.limits)
             if spec.network == "egress":
                 meta.address = self.egress.create(sandbox.id, sd.path / "netns")
@@ -552,6 +575,17 @@ class ContainerBackend(Backend):
         if (limits.pids or 0) > self.config.max_pids:
             raise errors.InvalidArgument(
                 f"limits.pids {limits.pids} is over the {self.config.max_pids} processes one "
+                "container sandbox may have on this node"
+            )
+        disk = self.config.max_disk_mb or self.fs.group_bytes >> 20
+        if (limits.disk_mb or 0) > disk:
+            raise errors.InvalidArgument(
+                f"limits.disk_mb {limits.disk_mb} is over the {disk} MiB one container sandbox "
+                "may have on this node"
+            )
+        if (limits.inodes or 0) > self.config.max_inodes:
+            raise errors.InvalidArgument(
+                f"limits.inodes {limits.inodes} is over the {self.config.max_inodes} one "
                 "container sandbox may have on this node"
             )
 
@@ -614,6 +648,8 @@ class ContainerBackend(Backend):
             meta = self.metas.pop(ref.sandbox_id, None)
             pidfd = self.inits.take(ref.sandbox_id)
             self.lost.discard(ref.sandbox_id)
+            self._left.pop(ref.sandbox_id, None)
+            self._left_after.pop(ref.sandbox_id, None)
             sd = SandboxDir(self.root, ref.sandbox_id)
             if meta is None and not sd.path.exists():
                 return
@@ -725,11 +761,21 @@ class ContainerBackend(Backend):
                 user=call.user,
                 file_size=(limits.file_size_mb << 20) if limits.file_size_mb else None,
             )
-        finally:  # still busy (it left processes running): removed with the sandbox
+        finally:
             os.close(pidfd)
-            with contextlib.suppress(OSError):
-                os.rmdir(own.dirs["freezer"])
+            if _busy_group(own.dirs["freezer"]):  # it left processes running
+                self._leave(call.sandbox_id, own.dirs["freezer"])
         return result.model_copy(update={"sandbox_id": call.sandbox_id})
+
+    def _leave(self, sandbox_id: str, group: Path) -> None:
+        """Keep an exec group that its command left busy; remove those emptied since once
+        their count has doubled (each exec pays a constant share of that), so a stream of
+        ``cmd &`` leaves no more groups behind than about twice its processes still running."""
+        left = self._left.setdefault(sandbox_id, [])
+        left.append(group)
+        if len(left) >= 2 * self._left_after.get(sandbox_id, 16):
+            left[:] = [g for g in left if _busy_group(g)]
+            self._left_after[sandbox_id] = max(16, len(left))
 
     def _charged(self, sandbox_id: str) -> list[Path]:
         """What a helper acting on the sandbox joins: its cpu, memory and pids groups (not
@@ -739,7 +785,7 @@ class ContainerBackend(Backend):
 
     async def read_file(self, request: ReadFileRequest) -> ReadFileResponse:
         meta = self._meta(request.sandbox_id)
-        async with self.file_slots.hold(meta.tenant):
+        async with self.file_slots.hold(meta.tenant, bus.time_left()):
             pidfd = self._pidfd(request.sandbox_id)
             try:
                 data = await self.helper.read_file(
@@ -754,7 +800,7 @@ class ContainerBackend(Backend):
         name = request.path.rstrip("/").rpartition("/")[2]
         if not name or name in (".", "..") or "\0" in request.path:
             raise errors.InvalidArgument(f"{request.path!r}: not a file path")
-        async with self.file_slots.hold(meta.tenant):
+        async with self.file_slots.hold(meta.tenant, bus.time_left()):
             pidfd = self._pidfd(request.sandbox_id)
             try:
                 await self.helper.write_file(
@@ -832,7 +878,7 @@ class ContainerBackend(Backend):
         returns its pidfd."""
         sd = SandboxDir(self.root, meta.id)
         self._kill_init(meta.id, old)
-        sd.fresh_upper(self.trash, self.fs, meta.disk_bytes)
+        sd.fresh_upper(self.trash, self.fs, meta.disk_bytes, meta.tenant)
         self._watch_inodes_of(meta, known=True)
         mounts = self.store.mounted()  # its layers are; mount again what went behind its back
         layers = [mounts.get(d) or self.store.mount(d, self._holder(meta.id)) for d in meta.layers]
@@ -907,3 +953,15 @@ def _raise_open_files_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _busy_group(group: Path) -> bool:
+    """Remove cgroup ``group`` if it is empty; whether it is still there (busy, or not
+    removable now: it goes with its sandbox)."""
+    try:
+        os.rmdir(group)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return False

@@ -258,8 +258,9 @@ async def _file_op(argv: list[str], pidfd: int, data: bytes, path: str, timeout:
         code = int(word[1])
         if code in (errno.EDQUOT, errno.ENOSPC):
             raise errors.QuotaExceeded(
-                f"{path}: the sandbox's disk is full (Limits.disk_mb or Limits.inodes); "
-                "delete files in it, or create it with larger limits"
+                f"{path}: the sandbox's disk is full (Limits.disk_mb or Limits.inodes, or "
+                "all its tenant may fill on the node); delete files in it or in the tenant's "
+                "other sandboxes, or create it with larger limits"
             )
         cls = _FILE_ERRORS.get(code, errors.InvalidArgument)
         reason = {errno.EFBIG: f"larger than {MAX_FILE_BYTES} bytes",

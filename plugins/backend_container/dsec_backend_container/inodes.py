@@ -6,13 +6,15 @@ from outside: every ``check`` it finds the highest inode number in use in the sa
 subvolume (a few tree searches, microseconds). btrfs numbers a subvolume's inodes upwards and
 never reuses a number while mounted, so the count at the last look plus the numbers given out
 since bounds the count now; only when that bound passes the limit are the inodes counted
-(~1 µs each). A sandbox at its limit has its disk quota closed (qgroup limit of one byte:
-whatever needs room fails inside with ``EDQUOT``, "Disk quota exceeded"; deleting works) until
-it is back under, then reopened. Between two looks a sandbox can overshoot by what it creates
-in one interval (about 40,000 empty files a second on the development VM). A closed sandbox
-is counted again at every look at first, then ever more rarely while it stays over (at most
-every :data:`MAX_SKIP` looks), so a tenant keeping many sandboxes at their limit cannot keep
-this busy.
+(~1 µs each: 1.5 s for a million). A sandbox at its limit has its disk quota closed (qgroup
+limit of one byte: whatever needs room fails inside with ``EDQUOT``, "Disk quota exceeded";
+deleting works) until it is back under, then reopened. Between two looks a sandbox can
+overshoot by what it creates in one interval (about 40,000 empty files a second on the
+development VM). A closed sandbox is counted again at every look at first, then ever more
+rarely while it stays over (at most every :data:`MAX_SKIP` looks). And all counting together
+gets at most :data:`SHARE` of a core over time (a token bucket): a tenant keeping its
+sandboxes just under their limits, which would have them counted at every look, makes them be
+counted less often, least recently counted first, and overshoot by more, rather than keep this busy.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +36,9 @@ _ROOT_INODE = 256
 _CLOSED = 1
 #: most looks skipped between two counts of a sandbox that stays over its limit
 MAX_SKIP = 15
+#: the part of a core counting may use, over time; and the most it may save up (seconds)
+SHARE = 0.1
+BURST_S = 2.0
 
 
 @dataclass
@@ -45,6 +51,7 @@ class _Watched:
     closed: bool | None = False  # None: not known (adopted after a restart)
     skip: int = 0  # looks to skip before counting again (closed and still over)
     backoff: int = 0
+    counted_at: float = 0.0  # monotonic
 
 
 @dataclass(frozen=True)
@@ -60,10 +67,14 @@ class Change:
 class InodeLimits:
     """The inode limits of the sandboxes on ``fs``."""
 
-    def __init__(self, fs: UpperFs) -> None:
+    def __init__(self, fs: UpperFs, share: float = SHARE, burst_s: float = BURST_S) -> None:
         self.fs = fs
         self._watched: dict[str, _Watched] = {}
         self._lock = threading.Lock()
+        self.share, self.burst_s = share, burst_s
+        self.counted_s = 0.0  # all counting so far
+        self._tokens = burst_s  # seconds of counting allowed now
+        self._filled = time.monotonic()
 
     def watch(self, sandbox_id: str, rw: Path, limit: int, disk_bytes: int, known: bool) -> None:
         """Hold the sandbox whose writable layer is the subvolume ``rw`` to ``limit`` inodes
@@ -82,7 +93,10 @@ class InodeLimits:
         """Look at every sandbox once (blocking: run it in a thread); returns the quotas
         closed or reopened."""
         with self._lock:
-            watched = list(self._watched.items())
+            watched = sorted(self._watched.items(), key=lambda item: item[1].counted_at)
+        now = time.monotonic()
+        self._tokens = min(self.burst_s, self._tokens + (now - self._filled) * self.share)
+        self._filled = now
         changes = []
         for sandbox_id, w in watched:
             try:
@@ -107,7 +121,14 @@ class InodeLimits:
             high = UpperFs.highest_inode(fd, w.high)
             if w.closed is False and w.count + high - w.high < w.limit:
                 return None
+            if self._tokens <= 0:
+                return None  # counted at a later look
+            started = time.perf_counter()
             w.count, w.high = UpperFs.count_inodes(fd), max(high, w.high)
+            w.counted_at = time.monotonic()
+            took = time.perf_counter() - started
+            self._tokens -= took
+            self.counted_s += took
             over = w.count >= w.limit
             if over and w.closed is True:  # still over: count again later, and later
                 w.backoff = min(2 * w.backoff + 1, MAX_SKIP)

@@ -78,20 +78,21 @@ class SandboxDir:
     def exists(self) -> bool:
         return self.meta_file.exists()
 
-    def create(self, fs: UpperFs, disk_bytes: int, lowers: int) -> None:
-        """The directory, its quota'd writable layer and mount points for ``lowers`` layers."""
+    def create(self, fs: UpperFs, disk_bytes: int, tenant: str, lowers: int) -> None:
+        """The directory, its quota'd writable layer (in ``tenant``'s group) and mount points
+        for ``lowers`` layers."""
         self.path.mkdir(mode=0o700)
         for d in (self.rootfs, self.path / "m", self.path / "m" / "rw"):
             d.mkdir()
         self.mount_points(lowers)
-        self._rw(fs, disk_bytes)
+        self._rw(fs, disk_bytes, tenant)
 
     def mount_points(self, lowers: int) -> None:
         for i in range(lowers):
             (self.path / "m" / str(i)).mkdir(exist_ok=True)
 
-    def _rw(self, fs: UpperFs, disk_bytes: int) -> None:
-        fs.create(self.rw, disk_bytes)
+    def _rw(self, fs: UpperFs, disk_bytes: int, tenant: str) -> None:
+        fs.create(self.rw, disk_bytes, group=tenant)
         for d in ("upper", "work"):
             (self.rw / d).mkdir()
 
@@ -103,10 +104,10 @@ class SandboxDir:
         tmp.write_text(meta.model_dump_json())
         tmp.replace(self.meta_file)
 
-    def fresh_upper(self, trash: Trash, fs: UpperFs, disk_bytes: int) -> None:
+    def fresh_upper(self, trash: Trash, fs: UpperFs, disk_bytes: int, tenant: str) -> None:
         """Replace the writable layer with an empty one (the old one goes to ``trash``)."""
         trash.discard(self.rw)
-        self._rw(fs, disk_bytes)
+        self._rw(fs, disk_bytes, tenant)
 
     def remove(self, trash: Trash) -> None:
         trash.discard(self.path)

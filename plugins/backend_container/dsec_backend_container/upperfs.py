@@ -3,10 +3,16 @@ quota (a btrfs qgroup limit on the bytes it references, metadata included).
 
 A sandbox that fills its quota gets ``EDQUOT`` ("Disk quota exceeded") inside, and nothing
 else is touched: the node's other sandboxes keep their room, and the host's own filesystem
-only ever sees one image file of bounded size. Every inode a sandbox makes costs it metadata
-bytes (about 350 measured); btrfs has no inode quota, so :mod:`.inodes` counts them
-(:meth:`UpperFs.highest_inode`, :meth:`UpperFs.count_inodes`) and closes the quota
-(:meth:`UpperFs.set_limit`) of a sandbox past its inode limit.
+only ever sees one image file of bounded size. Quotas are thin (their sum may pass the
+filesystem's size), so each tenant's subvolumes are also grouped in a qgroup of their own
+(level 1, its id a hash of the tenant's name) whose limit is ``group_bytes``: however many
+sandboxes a tenant fills, its neighbours keep the rest of the filesystem. A group stays once
+made (a few hundred bytes of the quota tree), with its limit set again at each start.
+
+Every inode a sandbox makes costs it metadata bytes (about 350 measured); btrfs has no inode
+quota, so :mod:`.inodes` counts them (:meth:`UpperFs.highest_inode`,
+:meth:`UpperFs.count_inodes`) and closes the quota (:meth:`UpperFs.set_limit`) of a sandbox
+past its inode limit.
 
 Where ``root`` is already on btrfs (an operator's disk), it is used as it is. Otherwise the
 filesystem is a sparse image file, made once (``mkfs.btrfs``) and mounted through a loop
@@ -23,6 +29,8 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
+import logging
 import os
 import shutil
 import struct
@@ -33,6 +41,8 @@ from dsec_kernel import errors, linux
 
 __all__ = ["UpperFs"]
 
+log = logging.getLogger(__name__)
+
 _BTRFS_MAGIC = 0x9123683E
 # ioctls of <linux/btrfs.h> (magic 0x94)
 _SUBVOL_CREATE = 0x5000940E  # _IOW(14, struct btrfs_ioctl_vol_args): 4096 bytes
@@ -41,6 +51,9 @@ _INO_LOOKUP = 0xD0009412  # _IOWR(18, struct btrfs_ioctl_ino_lookup_args): 4096 
 _QUOTA_CTL = 0xC0109428  # _IOWR(40, struct btrfs_ioctl_quota_ctl_args): cmd, status
 _QGROUP_LIMIT = 0x8030942B  # _IOR(43, struct btrfs_ioctl_qgroup_limit_args): 48 bytes
 _TREE_SEARCH_V2 = 0xC0709411  # _IOWR(17, struct btrfs_ioctl_search_args_v2): 112 bytes + buf
+_QGROUP_ASSIGN = 0x40189429  # _IOW(41, struct btrfs_ioctl_qgroup_assign_args): 24 bytes
+_QGROUP_CREATE = 0x4010942A  # _IOW(42, struct btrfs_ioctl_qgroup_create_args): 16 bytes
+_GROUP_LEVEL = 1 << 48  # a qgroup id is level << 48 | id; subvolumes' own are level 0
 _QUOTA_ENABLE = 1
 _LIMIT_MAX_RFER = 1
 _FIRST_FREE_OBJECTID = 256  # the inode number of every subvolume's root directory
@@ -81,13 +94,19 @@ def _mount_point(path: Path) -> bool:
 class UpperFs:
     """Sandboxes' writable layers below ``root``; see the module docstring."""
 
-    def __init__(self, root: Path, image: Path, size_bytes: int = 0) -> None:
+    def __init__(
+        self, root: Path, image: Path, size_bytes: int = 0, group_bytes: int | None = None
+    ) -> None:
         """``image``: the image file made when ``root`` is not on btrfs; ``size_bytes`` its
-        size (0: nine tenths of the free space where it is made; it is sparse)."""
+        size (0: nine tenths of the free space where it is made; it is sparse).
+        ``group_bytes``: what one group's subvolumes may reference together (None: half the
+        filesystem)."""
         self.root = root
         self.image = image
         self.size_bytes = size_bytes
+        self.group_bytes = group_bytes or 0  # set by open() if None
         self.owned = False  # mounted from our image (so ours to unmount)
+        self._groups: set[int] = set()  # qgroups made or limited since open()
 
     def open(self) -> UpperFs:
         """Make ``root`` a btrfs with quotas on. Unavailable, with the reason, if it cannot."""
@@ -104,7 +123,14 @@ class UpperFs:
             raise errors.Unavailable(f"cannot turn on btrfs quotas on {self.root}: {exc}") from None
         finally:
             os.close(fd)
+        if not self.group_bytes:
+            self.group_bytes = self.total_bytes() // 2
         return self
+
+    def total_bytes(self) -> int:
+        """The filesystem's size."""
+        st = os.statvfs(self.root)
+        return st.f_blocks * st.f_frsize
 
     def _mount_image(self) -> None:
         if shutil.which("mkfs.btrfs") is None:
@@ -147,9 +173,10 @@ class UpperFs:
 
     # -- subvolumes --------------------------------------------------------------------------
 
-    def create(self, path: Path, limit_bytes: int) -> None:
+    def create(self, path: Path, limit_bytes: int, group: str | None = None) -> None:
         """A subvolume at ``path`` (its parent must exist on this filesystem) whose files may
-        reference at most ``limit_bytes``."""
+        reference at most ``limit_bytes``, and with those of ``group``'s other subvolumes at
+        most ``group_bytes``."""
         parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.ioctl(parent, _SUBVOL_CREATE, _vol_args(path.name))
@@ -157,7 +184,10 @@ class UpperFs:
             os.close(parent)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            self.set_limit(self.subvolume(fd), limit_bytes)
+            subvolume = self.subvolume(fd)
+            self.set_limit(subvolume, limit_bytes)
+            if group is not None:
+                self._join(subvolume, group)
         except BaseException:
             os.close(fd)
             fd = -1
@@ -182,6 +212,30 @@ class UpperFs:
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.ioctl(fd, _QGROUP_LIMIT, bytearray(limit))
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def group_qgroup(group: str) -> int:
+        """The id of ``group``'s qgroup."""
+        return _GROUP_LEVEL | int.from_bytes(hashlib.sha256(group.encode()).digest()[:6], "big")
+
+    def _join(self, subvolume: int, group: str) -> None:
+        """Put the (empty) ``subvolume`` in ``group``'s qgroup, made and limited at first."""
+        qgroup = self.group_qgroup(group)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if qgroup not in self._groups:
+                try:
+                    fcntl.ioctl(fd, _QGROUP_CREATE, bytearray(struct.pack("QQ", 1, qgroup)))
+                except OSError as exc:
+                    if exc.errno != errno.EEXIST:
+                        raise
+                self.set_limit(qgroup, self.group_bytes)
+                self._groups.add(qgroup)
+            assign = bytearray(struct.pack("QQQ", 1, subvolume, qgroup))
+            if fcntl.ioctl(fd, _QGROUP_ASSIGN, assign) > 0:  # (an empty one never needs it)
+                log.warning("btrfs wants its quotas rescanned after %d joined a group", subvolume)
         finally:
             os.close(fd)
 

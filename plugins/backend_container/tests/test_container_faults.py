@@ -10,13 +10,15 @@ import time
 
 import pytest
 from dsec_backend_container.backend import ContainerBackend
+from dsec_backend_container.inodes import InodeLimits
 from dsec_backend_container.layout import Trash
+from dsec_backend_container.upperfs import UpperFs
 
 from dsec_kernel import errors
 from dsec_kernel.backend import ExecCall, SandboxRef
 from dsec_kernel.conformance import started
 from dsec_kernel.storage import open_store
-from dsec_kernel.wire import EdgeSandbox, Env, SandboxSpec, WriteFileRequest
+from dsec_kernel.wire import EdgeSandbox, Env, Limits, SandboxSpec, WriteFileRequest
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -155,6 +157,42 @@ async def test_a_sandbox_at_its_inode_limit_makes_no_more_until_it_deletes(
                 await b.destroy(SandboxRef(sandbox_id=s.id))
 
 
+async def test_sandboxes_kept_just_under_their_inode_limit_cost_a_bounded_share(
+    make_config, tmp_path
+):
+    """A sandbox that stays just under its limit while it makes and deletes files would be
+    counted at every look; all counting together gets at most its share of a core."""
+    async with started(ContainerBackend(make_config()), tmp_path) as b:
+        sb = new(Env(base="busybox:1"))
+        await b.create(sb)
+        try:
+            script = "mkdir /f; cd /f; seq 1 19990 | xargs touch"
+            call = ExecCall(
+                sandbox_id=sb.id, argv=["/bin/sh", "-c", script], timeout_s=120,
+                max_output_bytes=1 << 16,
+            )  # fmt: skip
+            assert (await b.exec(call)).exit_code == 0
+            files = b.root / sb.id / "rw" / "upper" / "f"
+            limits = InodeLimits(b.fs, share=0.05, burst_s=0.05)
+            os.sync()  # (btrfs drops a deleted inode's item from its tree at a commit)
+            fd = os.open(files.parent.parent, os.O_RDONLY | os.O_DIRECTORY)
+            held = UpperFs.count_inodes(fd)
+            os.close(fd)
+            limits.watch(sb.id, files.parent.parent, held + 1, 1 << 30, known=False)
+            t = time.monotonic()
+            for i in range(100):
+                changes = limits.check()
+                assert changes == [] or i == 0, (i, changes)  # (the first: its quota set)
+                churn = f"rm /f/{i + 1}; touch /f/m{i}; sync"  # a new number: up to the limit
+                assert (
+                    await b.exec(call.model_copy(update={"argv": ["sh", "-c", churn]}))
+                ).exit_code == 0
+            took = time.monotonic() - t
+            assert 0 < limits.counted_s <= 0.05 + took * 0.05 + 0.05, (limits.counted_s, took)
+        finally:
+            await b.destroy(SandboxRef(sandbox_id=sb.id))
+
+
 async def _inode_flood(b: ContainerBackend, sb: str, other: str, events: list) -> None:
     async def sh(sid: str, script: str):
         argv = ["/bin/sh", "-c", script]
@@ -181,9 +219,40 @@ async def _inode_flood(b: ContainerBackend, sb: str, other: str, events: list) -
         raise AssertionError("the quota was not reopened after the files went")
 
 
+async def test_a_tenant_fills_its_share_of_the_node_disk_not_the_rest(make_config, tmp_path):
+    """Quotas are thin: a tenant whose sandboxes together write past its share of the node's
+    disk gets EDQUOT in them, however large their own quotas, and another tenant still
+    writes; a quota larger than the share is refused."""
+    async with started(ContainerBackend(make_config(tenant_disk_mb=64)), tmp_path) as b:
+        with pytest.raises(errors.InvalidArgument, match="over the 64 MiB"):
+            await b.create(new(Env(base="busybox:1")).model_copy(
+                update={"spec": SandboxSpec(backend="container", env=Env(base="busybox:1"),
+                                            limits=Limits(disk_mb=65))}
+            ))  # fmt: skip
+        mine = [new(Env(base="busybox:1")) for _ in range(2)]
+        theirs = new(Env(base="busybox:1")).model_copy(update={"tenant": "u"})
+        for sb in mine:
+            sb.spec.limits.disk_mb = 64
+        try:
+            wrote = []
+            for sb in [*mine, theirs]:
+                await b.create(sb)
+                fill = "dd if=/dev/zero of=/big bs=1M count=40 2>/dev/null; sync; wc -c < /big"
+                call = ExecCall(
+                    sandbox_id=sb.id, argv=["sh", "-c", fill], timeout_s=60, max_output_bytes=4096
+                )
+                wrote.append(int((await b.exec(call)).stdout) >> 20)
+            assert wrote[0] == 40 and wrote[1] < 40 and wrote[2] == 40, wrote
+        finally:
+            for sb in [*mine, theirs]:
+                await b.destroy(SandboxRef(sandbox_id=sb.id))
+            assert all(leftovers(b, sb.id) == [] for sb in [*mine, theirs])
+
+
 async def test_a_full_node_disk_fails_the_sandbox_not_the_node(make_config, tmp_path):
     made: list[EdgeSandbox] = []
-    cfg = make_config(upper_fs_gb=0.25)  # the sandboxes' filesystem, smaller than one quota
+    # the sandboxes' filesystem, smaller than one quota, and all of it the tenant's
+    cfg = make_config(upper_fs_gb=0.25, tenant_disk_mb=1024)
     async with started(ContainerBackend(cfg), tmp_path / "st") as b:
         try:
             sb = new(Env(base="busybox:1"))

@@ -205,6 +205,16 @@ async def test_timeout_kills_the_process_group_and_background_output_does_not_bl
     assert r.stdout == b"started\n" and time.monotonic() - t < 5
 
 
+async def test_commands_left_running_leave_few_exec_groups_behind(backend, box):
+    """Each command's freezer group stays while what it left runs, and goes once emptied:
+    200 `sleep 0.05 &` leave a bounded few, not 200, until the sandbox goes."""
+    freezer = backend._group(box).dirs["freezer"]
+    for _ in range(200):
+        await sh(backend, box, "sleep 0.05 >/dev/null 2>&1 &")
+    left = [p for p in freezer.iterdir() if p.name.startswith("exec-")]
+    assert 0 < len(left) <= 64, len(left)
+
+
 async def test_a_timeout_kills_through_the_helper_when_the_cgroup_kill_fails(backend, box):
     """The fallback kill goes through the helper (our own child), which kills the command's
     group while the command is still unreaped: the host never signals a group by number."""
