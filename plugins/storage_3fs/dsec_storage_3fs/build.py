@@ -16,6 +16,15 @@ FIFOs; character and block devices where mknod is permitted (skipped otherwise).
 (InvalidArgument) any entry with an absolute path, a ``..`` component, or a path through a
 symlink or a file, so no archive writes outside its tree. Directories that no entry names get
 mtime 0, which keeps images of the same archive identical.
+
+Bytes: a tree may hold at most ``max_bytes`` of file data, counted by apparent size (each
+inode once), holes included, since mkfs.erofs reads every one of them; more is QuotaExceeded
+before mkfs.erofs runs, naming the largest file (an archive is refused while it is extracted,
+before it writes more). A tree whose files have at least :data:`HOLES` bytes of holes is
+built with lz4 (unless a compression is configured), which is what keeps its holes small in
+the image (see :mod:`.erofs`); other trees are built as configured, byte for byte as before.
+Holes are counted from allocated blocks (``st_blocks``), so the same content written densely
+builds the uncompressed image, another digest.
 """
 
 from __future__ import annotations
@@ -33,10 +42,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsec_kernel.errors import InvalidArgument, NotFound
+from dsec_kernel.errors import InvalidArgument, NotFound, QuotaExceeded
 from dsec_storage_3fs import erofs
 
-__all__ = ["Built", "build_image", "extract_oci", "extract_tar"]
+__all__ = [
+    "HOLES",
+    "Built",
+    "TreeBytes",
+    "build_image",
+    "extract_oci",
+    "extract_tar",
+    "size_text",
+    "tree_bytes",
+]
 
 _INDEX = {
     "application/vnd.oci.image.index.v1+json",
@@ -49,6 +67,7 @@ _MANIFEST = {
 _DIGEST = re.compile(r"^(sha256|sha512):([0-9a-f]{64,128})$")
 _ARCH = {"x86_64": "amd64", "aarch64": "arm64"}
 _OPAQUE = ".wh..wh..opq"
+HOLES = 8 << 20  # bytes of holes from which a tree is built with lz4: fewer are written out
 
 
 @dataclass(frozen=True)
@@ -61,45 +80,118 @@ class Built:
     files: int
 
 
+@dataclass(frozen=True)
+class TreeBytes:
+    """The file data of a tree, each inode counted once."""
+
+    data: int  # apparent bytes: what mkfs.erofs reads
+    holes: int  # of those, the ones no block holds
+    largest: tuple[int, str]  # (size, "/path") of its largest file
+
+
 def build_image(
-    source: Path, workdir: Path, compression: str | None, progress: Callable[[str], None]
+    source: Path,
+    workdir: Path,
+    compression: str | None,
+    progress: Callable[[str], None],
+    *,
+    max_bytes: int | None = None,
+    timeout_s: float | None = None,
 ) -> Built:
     """Build ``workdir/image.erofs`` from ``source``, extracting into ``workdir/tree`` when it
-    is an archive or an OCI layout. ``workdir`` is the caller's: it removes it afterwards."""
+    is an archive or an OCI layout. ``workdir`` is the caller's: it removes it afterwards.
+    QuotaExceeded if the tree's files hold more than ``max_bytes``; DeadlineExceeded if
+    mkfs.erofs runs longer than ``timeout_s``."""
     if source.is_dir() and (source / "oci-layout").is_file() and (source / "index.json").is_file():
         tree = workdir / "tree"
-        extract_oci(source, tree, progress)
+        extract_oci(source, tree, progress, max_bytes)
     elif source.is_dir():
         tree = source
     elif source.is_file():
         tree = workdir / "tree"
         progress(f"extracting {source.name}")
-        extract_tar(source, tree)
+        extract_tar(source, tree, max_bytes)
     else:
         raise NotFound(
             f"layer source {source} does not exist; give a directory, a tar archive or an "
             "OCI image layout directory"
         )
+    measured = tree_bytes(tree)
+    if max_bytes is not None and measured.data > max_bytes:
+        size, path = measured.largest
+        raise QuotaExceeded(
+            f"the layer's files hold {size_text(measured.data)} (holes of sparse files count: "
+            f"they are read), more than the {size_text(max_bytes)} a layer may "
+            f"(build_max_bytes); remove or shrink large files, such as {path} "
+            f"({size_text(size)})"
+        )
+    if compression is None and measured.holes >= HOLES:
+        compression = "lz4"  # holes as zeros compress to ~0.45 %; uncompressed, written out
     progress("building image")
     image = workdir / "image.erofs"
-    erofs.mkfs(tree, image, compression)
+    erofs.mkfs(tree, image, compression, timeout_s)
     progress("hashing")
     with image.open("rb") as f:
         digest = "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
     return Built(image, digest, image.stat().st_size, erofs.inode_count(image))
 
 
-def extract_tar(archive: Path, tree: Path) -> None:
-    """Extract ``archive`` into the new directory ``tree``."""
-    out = _Tree(tree)
+def tree_bytes(tree: Path) -> TreeBytes:
+    """Measure the regular files under ``tree`` (a walk without recursion; symlinks are not
+    followed, hard-linked files count once)."""
+    data = holes = 0
+    largest = (0, "")
+    seen: set[tuple[int, int]] = set()
+    todo = [(str(tree), "")]
+    while todo:
+        path, rel = todo.pop()
+        with os.scandir(path) as entries:
+            for entry in entries:
+                name = f"{rel}/{entry.name}"
+                if entry.is_dir(follow_symlinks=False):
+                    todo.append((entry.path, name))
+                    continue
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                if st.st_nlink > 1:
+                    if (st.st_dev, st.st_ino) in seen:
+                        continue
+                    seen.add((st.st_dev, st.st_ino))
+                data += st.st_size
+                holes += max(0, st.st_size - 512 * st.st_blocks)
+                largest = max(largest, (st.st_size, name))
+    shown = largest[1].encode(errors="surrogateescape").decode(errors="replace")
+    return TreeBytes(data, holes, (largest[0], shown))
+
+
+def size_text(n: int) -> str:
+    """``n`` bytes for people: "512 B", "3.0 GiB"."""
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def extract_tar(archive: Path, tree: Path, max_bytes: int | None = None) -> None:
+    """Extract ``archive`` into the new directory ``tree``; QuotaExceeded before its files
+    would hold more than ``max_bytes``."""
+    out = _Tree(tree, max_bytes)
     out.add(archive, whiteouts=False)
     out.finish()
 
 
-def extract_oci(layout: Path, tree: Path, progress: Callable[[str], None]) -> None:
-    """Flatten the layers of the OCI image layout ``layout`` into the new directory ``tree``."""
+def extract_oci(
+    layout: Path, tree: Path, progress: Callable[[str], None], max_bytes: int | None = None
+) -> None:
+    """Flatten the layers of the OCI image layout ``layout`` into the new directory ``tree``;
+    QuotaExceeded before the layers' files would have written more than ``max_bytes``."""
     layers = _oci_layers(layout)
-    out = _Tree(tree)
+    out = _Tree(tree, max_bytes)
     for i, blob in enumerate(layers, 1):
         progress(f"extracting layer {i}/{len(layers)}")
         out.add(blob, whiteouts=True)
@@ -157,11 +249,13 @@ def _json(path: Path) -> dict:
 class _Tree:
     """A root filesystem tree built from tar archives applied one after another."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, max_bytes: int | None = None) -> None:
         root.mkdir()
         os.chmod(root, 0o755)  # not left to the umask: images must not depend on it
         self.root = root
         self.dir_mtimes: dict[str, float] = {}  # relative path -> mtime of its last tar entry
+        self.max_bytes = max_bytes
+        self.written = 0  # bytes of regular files written, overwritten ones too
 
     def add(self, archive: Path, whiteouts: bool) -> None:
         what = str(archive)
@@ -218,6 +312,13 @@ class _Tree:
     def _create(self, tf: tarfile.TarFile, m: tarfile.TarInfo, target: Path, what: str) -> bool:
         """Create the non-directory ``target``; False if it was skipped."""
         if m.isreg():
+            self.written += m.size
+            if self.max_bytes is not None and self.written > self.max_bytes:
+                raise QuotaExceeded(
+                    f"{Path(what).name}: its files hold more than the "
+                    f"{size_text(self.max_bytes)} a layer may (build_max_bytes); "
+                    f"extraction stopped at {m.name!r} ({size_text(m.size)})"
+                )
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as out, tf.extractfile(m) as data:
                 shutil.copyfileobj(data, out, 1 << 20)

@@ -11,6 +11,8 @@ Store layout, under ``root`` (3FS, CephFS, NFS... or a local disk for one machin
     holds/<hex>/<holder>           one file per holder of an image; the holder URL-quoted
                                    ("node-1/sb-7" -> "node-1%2Fsb-7")
     snapshots/                     backends' snapshots (snapshots_root())
+    locks/@<tenant>                one empty file per tenant, flock()ed while an import of
+                                   its checks the tenant's bounds and adds its layer
     tmp/                           imports in progress (same filesystem: the final rename is
                                    atomic); removed on failure, leftovers of killed imports by
                                    gc() after a day
@@ -31,28 +33,50 @@ An image whose record never got written (a failed import) is collected by :meth:
 ``gc_grace_s``. A tenant's import checks that its name:version is not public; an operator
 import of the same name:version at that instant makes the tenant's layer shadowed (resolve
 finds public layers first), never the other way round.
+
+Bounds on a tenant's layers (public ones, the operator's, are not counted): at most
+``tenant_max_layers`` records in its namespace, and its images at most ``tenant_max_bytes``,
+each distinct image its records name counted in full, by the blocks it takes in the store,
+however many of its records name it and whoever else (the public catalog, other tenants)
+names it too: what a tenant is charged never depends on what others did, so it tells
+nothing of them, and no tenant holds an image on another's account. A tenant at either bound
+is refused (QuotaExceeded) before its tree is built; one whose new image would take it past
+``tenant_max_bytes`` after the build, and the built image is dropped. The last checks and the
+adding of the layer run under the tenant's lock file, so concurrent imports of one tenant on
+several nodes do not both pass (on a store filesystem without locks they may: each can pass
+by one image). Re-importing a layer it has is never refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import re
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote, unquote
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsec_kernel.config import default_state_dir
-from dsec_kernel.errors import Conflict, DsecError, Internal, InvalidArgument, NotFound
+from dsec_kernel.errors import (
+    Conflict,
+    DsecError,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    QuotaExceeded,
+)
 from dsec_kernel.fileio import remove_tree
 from dsec_kernel.storage import KINDS, GcReport, Kind, Layer, LayerStore, LayerUsage, Progress
 from dsec_kernel.wire.base import NAME_PATTERN
 from dsec_storage_3fs import erofs
-from dsec_storage_3fs.build import Built, build_image
+from dsec_storage_3fs.build import Built, build_image, size_text
 from dsec_storage_3fs.mounts import NodeMounts
 from dsec_storage_3fs.pagecache import resident_bytes, tree_resident_bytes
 
@@ -64,6 +88,7 @@ _VERSION = re.compile(_SCHEMA["version"]["pattern"])
 _TENANT = re.compile(NAME_PATTERN)
 _DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
 _TMP_MAX_AGE_S = 86400.0
+_GIB = 1 << 30
 
 
 class ThreeFsConfig(BaseModel):
@@ -86,6 +111,23 @@ class ThreeFsConfig(BaseModel):
     )
     direct_io: bool = Field(
         True, description="read image data with direct I/O: cached once, no readahead waste"
+    )
+    build_max_bytes: int = Field(
+        64 * _GIB,
+        ge=0,
+        description="most bytes of file data one import may build from, by apparent size "
+        "(holes count: mkfs.erofs reads them); more is refused before the build",
+    )
+    build_timeout_s: float = Field(
+        900.0, gt=0, description="longest mkfs.erofs may run; then it is killed, the import fails"
+    )
+    tenant_max_layers: int = Field(
+        256, ge=0, description="most layer versions (records) one tenant may keep in the store"
+    )
+    tenant_max_bytes: int = Field(
+        64 * _GIB,
+        ge=0,
+        description="most bytes (allocated blocks) the images of one tenant's layers may take",
     )
 
 
@@ -129,31 +171,20 @@ class ThreeFsStore(LayerStore):
         say = progress or (lambda _msg: None)
         work = None
         try:
+            if tenant is not None:  # at a bound already: refused before any work
+                self._charge(tenant, name, version, None)
             (self.root / "tmp").mkdir(parents=True, exist_ok=True)
             work = Path(tempfile.mkdtemp(prefix="import-", dir=self.root / "tmp"))
-            built = build_image(Path(source), work, self.config.compression, say)
-            existing = self._read_record(name, version, tenant)
-            if existing is not None:
-                _same(existing, built.digest, kind)
-            say("publishing")
-            self._publish(built)  # also repairs a blob of the wrong size
-            if existing is not None:
-                return existing
-            layer = Layer(
-                digest=built.digest,
-                kind=kind,
-                name=name,
-                version=version,
-                size=built.size,
-                files=built.files,
-                created_at=time.time(),
-                source=os.path.abspath(source),
-                tenant=tenant,
+            built = build_image(
+                Path(source),
+                work,
+                self.config.compression,
+                say,
+                max_bytes=self.config.build_max_bytes,
+                timeout_s=self.config.build_timeout_s,
             )
-            record = layer.model_dump_json(indent=2).encode()
-            _atomic_write(self._record(name, version, tenant), record)
-            final = self._read_record(name, version, tenant)  # a concurrent import may have won
-            return _same(final or layer, built.digest, kind)
+            with self._tenant_lock(tenant):
+                return self._add(built, kind, name, version, source, tenant, say)
         except DsecError:
             raise
         except OSError as e:
@@ -163,18 +194,47 @@ class ThreeFsStore(LayerStore):
             if work is not None:
                 remove_tree(work)
 
+    def _add(
+        self,
+        built: Built,
+        kind: Kind,
+        name: str,
+        version: str,
+        source: str,
+        tenant: str | None,
+        say: Progress,
+    ) -> Layer:
+        """Put the built image in the store and name it ``name:version`` (the same content
+        again: the existing record), once the tenant's bounds allow it."""
+        existing = self._read_record(name, version, tenant)
+        if existing is not None:
+            _same(existing, built.digest, kind)
+        elif tenant is not None:
+            self._charge(tenant, name, version, built)
+        say("publishing")
+        self._publish(built)  # also repairs a blob of the wrong size
+        if existing is not None:
+            return existing
+        layer = Layer(
+            digest=built.digest,
+            kind=kind,
+            name=name,
+            version=version,
+            size=built.size,
+            files=built.files,
+            created_at=time.time(),
+            source=os.path.abspath(source),
+            tenant=tenant,
+        )
+        record = layer.model_dump_json(indent=2).encode()
+        _atomic_write(self._record(name, version, tenant), record)
+        final = self._read_record(name, version, tenant)  # a concurrent import may have won
+        return _same(final or layer, built.digest, kind)
+
     def list_layers(self, tenant: str | None = None) -> list[Layer]:
         """Public layers first, then each owner's (sorted by owner, name, version)."""
         owners = [tenant] if tenant is not None else self._tenants()
-        layers = []
-        for owner in [None, *owners]:
-            for path in sorted((self.root / "layers" / _scope(owner)).glob("*/*.json")):
-                if not path.name.startswith("."):
-                    try:
-                        layers.append(self._parse(path.read_bytes(), path, owner))
-                    except FileNotFoundError:  # removed meanwhile
-                        continue
-        return layers
+        return [layer for owner in [None, *owners] for layer in self._records(owner)]
 
     def resolve(
         self, name: str, version: str, kind: Kind | None = None, *, tenant: str | None = None
@@ -356,6 +416,75 @@ class ThreeFsStore(LayerStore):
             p.name[1:] for p in (self.root / "layers").glob("@*") if _TENANT.fullmatch(p.name[1:])
         )
 
+    def _records(self, owner: str | None) -> list[Layer]:
+        """The layers in ``owner``'s namespace (None: the public ones), by name and version."""
+        layers = []
+        for path in sorted((self.root / "layers" / _scope(owner)).glob("*/*.json")):
+            if not path.name.startswith("."):
+                try:
+                    layers.append(self._parse(path.read_bytes(), path, owner))
+                except FileNotFoundError:  # removed meanwhile
+                    continue
+        return layers
+
+    def _charge(self, tenant: str, name: str, version: str, built: Built | None) -> None:
+        """QuotaExceeded if ``tenant`` may not add ``name:version`` with the image ``built``
+        (None, before the build: if it is at a bound already). A re-import passes."""
+        owned = self._records(tenant)
+        if any((x.name, x.version) == (name, version) for x in owned):
+            return
+        remove = f"ask the operator to remove some (dsec layer rm --tenant {tenant} NAME:VERSION)"
+        if len(owned) >= self.config.tenant_max_layers:
+            raise QuotaExceeded(
+                f"tenant {tenant} has {len(owned)} layers, the most one tenant may keep "
+                f"(tenant_max_layers); {remove} before publishing {name}:{version}"
+            )
+        digests = {x.digest for x in owned}
+        used = sum(self._blob_bytes(digest) for digest in digests)
+        cap = self.config.tenant_max_bytes
+        if built is None:
+            if used >= cap:
+                raise QuotaExceeded(
+                    f"the images of tenant {tenant}'s layers take {size_text(used)} of the "
+                    f"{size_text(cap)} one tenant may (tenant_max_bytes); {remove} before "
+                    f"publishing {name}:{version}"
+                )
+            return
+        cost = 0 if built.digest in digests else _allocated(built.image.stat())
+        if used + cost > cap:
+            raise QuotaExceeded(
+                f"layer {name}:{version} would add {size_text(cost)} to the {size_text(used)} "
+                f"tenant {tenant}'s layers take, more than the {size_text(cap)} one tenant may "
+                f"(tenant_max_bytes); publish less, or {remove}"
+            )
+
+    def _blob_bytes(self, digest: str) -> int:
+        """What the image of ``digest`` takes in the store (0 if it is missing)."""
+        try:
+            return _allocated(self._blob(digest).stat())
+        except FileNotFoundError:
+            return 0
+
+    @contextlib.contextmanager
+    def _tenant_lock(self, tenant: str | None) -> Iterator[None]:
+        """Hold ``locks/@<tenant>`` (nothing for public imports) while checking its bounds
+        and adding a layer; unlocked where the store's filesystem has no locks."""
+        if tenant is None:
+            yield
+            return
+        path = self.root / "locks" / _scope(tenant)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+            yield
+        finally:
+            os.close(fd)  # (which unlocks)
+
     def _lookup(self, name: str, version: str, tenant: str | None) -> Layer | None:
         """The record of ``name:version`` in ``tenant``'s namespace (None: public), through
         the node cache; None if there is none."""
@@ -490,6 +619,11 @@ def _same(existing: Layer, digest: str, kind: str) -> Layer:
             retryable=False,
         )
     return existing
+
+
+def _allocated(st: os.stat_result) -> int:
+    """Bytes of the blocks a file takes (its size where the filesystem reports no blocks)."""
+    return st.st_blocks * 512 if st.st_blocks or not st.st_size else st.st_size
 
 
 def _atomic_write(path: Path, data: bytes, mtime_ns: int | None = None) -> None:

@@ -47,11 +47,18 @@ def _mounts_under(path: Path) -> list[str]:
 
 
 @pytest.fixture
-def store(tmp_path):
-    """A store rooted in ``tmp_path`` (gc without grace period). After the test: nothing of it
-    is mounted and no import left temporary files; then the directory is removed."""
-    config = ThreeFsConfig(root=tmp_path / "store", cache_dir=tmp_path / "cache", gc_grace_s=0)
-    yield ThreeFsStore(config)
+def store_with(tmp_path):
+    """``store_with(**fields)``: a store rooted in ``tmp_path`` with those settings (gc
+    without grace period). After the test: nothing of it is mounted and no import left
+    temporary files; then the directory is removed."""
+
+    def make(**fields):
+        config = ThreeFsConfig(
+            root=tmp_path / "store", cache_dir=tmp_path / "cache", gc_grace_s=0, **fields
+        )
+        return ThreeFsStore(config)
+
+    yield make
     left = _mounts_under(tmp_path)
     for line in left:
         linux.umount(line.split()[1], linux.MNT_DETACH)
@@ -59,6 +66,12 @@ def store(tmp_path):
     shutil.rmtree(tmp_path)
     assert not left, f"mounts left behind: {left}"
     assert not tmp_files, f"temporary files left behind: {tmp_files}"
+
+
+@pytest.fixture
+def store(store_with):
+    """A store with the default settings (see ``store_with``)."""
+    return store_with()
 
 
 @pytest.fixture
