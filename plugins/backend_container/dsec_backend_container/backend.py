@@ -147,7 +147,7 @@ class ContainerConfig(BaseModel):
         32, ge=1, description="file operations in flight on the node (a tenant: 3/4 of them)"
     )
     file_waiting: int = Field(
-        64, ge=0, description="most file operations of one tenant waiting for a turn"
+        4096, ge=0, description="most file operations of one tenant waiting for a turn"
     )
     file_timeout_s: float = Field(30.0, gt=0, description="longest a file operation may take")
     upper_root: Path | None = Field(None, description="where writable layers go (local disk)")

@@ -77,6 +77,9 @@ class FncallConfig(BaseModel):
     tenant_max_running: int | None = Field(
         None, ge=1, description="calls one tenant runs at once (default: 3/4 of max_running)"
     )
+    tenant_max_waiting: int = Field(
+        4096, ge=0, description="calls of one tenant waiting for a turn (more: QueueFull)"
+    )
     max_sandboxes: int = Field(100_000, ge=1, description="sandboxes one node holds")
     tmp_size_mb: int = Field(64, ge=1, description="each call's /tmp")
     memory_mb: int = Field(512, ge=32, description="default address-space limit per call")
@@ -192,7 +195,8 @@ class FncallBackend(Backend):
             }
         )
         prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
-        shared = ("pool_size", "max_running", "tenant_max_running", "tmp_size_mb", "memory_mb",
+        shared = ("pool_size", "max_running", "tenant_max_running", "tenant_max_waiting",
+                  "tmp_size_mb", "memory_mb",
                   "processes", "file_size_mb", "uid_base", "uid_count", "loopback",
                   "cgroups", "files_mb", "files_inodes", "files_total_mb",
                   "files_total_inodes")  # fmt: skip

@@ -23,6 +23,8 @@ import socket
 import stat
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +66,7 @@ class SupervisorConfig(BaseModel):
     pool_size: int = Field(8, ge=1)
     max_running: int = Field(64, ge=1)
     tenant_max_running: int | None = Field(None, ge=1)
+    tenant_max_waiting: int = Field(4096, ge=0)
     tmp_size_mb: int = Field(64, ge=1)
     memory_mb: int = Field(512, ge=32)
     processes: int = Field(64, ge=1)
@@ -119,7 +122,7 @@ class Agent(AgentServicer):
     def __init__(self, cfg: SupervisorConfig, pool: Pool) -> None:
         self.cfg = cfg
         self.pool = pool
-        self.slots = TenantSlots(cfg.max_running, tenant_share(cfg))
+        self.slots = TenantSlots(cfg.max_running, tenant_share(cfg), cfg.tenant_max_waiting)
         self.running: set[_Call] = set()
         self.files_root = Path(cfg.files_root)
         self.gid = cfg.uid_base - 1
@@ -176,6 +179,30 @@ class Agent(AgentServicer):
             },
         }
 
+    @asynccontextmanager
+    async def _turn(
+        self, request: pb.ExecRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[None]:
+        """A slot for the call, waited for only while it could still end before its caller's
+        deadline; a tenant's queue past ``tenant_max_waiting`` is refused at once."""
+        left = context.time_remaining()
+        wait = None if left is None else max(0.0, left - request.timeout_s - 1)
+        try:
+            await self.slots.acquire(request.tenant, wait)
+        except (errors.QueueFull, errors.DeadlineExceeded) as exc:
+            status = (
+                grpc.StatusCode.RESOURCE_EXHAUSTED
+                if isinstance(exc, errors.QueueFull)
+                else grpc.StatusCode.DEADLINE_EXCEEDED
+            )
+            await context.abort(
+                status, exc.message, trailing_metadata=((ERROR_CODE_KEY, exc.code),)
+            )
+        try:
+            yield
+        finally:
+            self.slots.release(request.tenant)
+
     async def Exec(self, request: pb.ExecRequest, context: grpc.aio.ServicerContext):
         try:
             spec = self._spec(request)
@@ -183,7 +210,7 @@ class Agent(AgentServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not self._exists(request.sandbox):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no sandbox {request.sandbox}")
-        async with self.slots.hold(request.tenant):
+        async with self._turn(request, context):
             if not self._exists(request.sandbox):  # destroyed while the call waited
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no sandbox {request.sandbox}")
             call = _Call(request.sandbox, request.exec_id)

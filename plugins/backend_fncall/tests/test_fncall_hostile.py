@@ -240,6 +240,31 @@ async def test_a_tenant_cannot_starve_another(backend):
     assert (killed, gone) == (3, 5), results  # 3 ran (the tenant's share), 5 queued
 
 
+async def test_a_tenants_queue_is_bounded(tmp_path):
+    """Past ``tenant_max_waiting`` calls waiting, a tenant's next is refused at once (its
+    queue, not the node's); another tenant's call still runs."""
+    config = FncallConfig(pool_size=2, max_running=2, tenant_max_running=1, tenant_max_waiting=2)
+    async with started(FncallBackend(config), tmp_path) as b:
+        sid = "sb-00000000000000a8"
+        await b.create(
+            EdgeSandbox(id=sid, tenant="attacker", spec=SandboxSpec(backend="fncall"), created_at=0)
+        )
+        hog = ExecCall(
+            sandbox_id=sid, argv=["sleep", "60"], timeout_s=60, max_output_bytes=10,
+            tenant="attacker",
+        )  # fmt: skip
+        hogs = [asyncio.ensure_future(b.exec(hog)) for _ in range(3)]  # 1 runs, 2 wait
+        try:
+            await asyncio.sleep(1.0)
+            with pytest.raises(errors.QueueFull, match="2 of this tenant's calls are waiting"):
+                await b.exec(hog)
+            r = await b.fncall(FncallRequest(code="echo 1", language="bash", tenant="victim"))
+            assert r.stdout == b"1\n", r
+        finally:
+            await b.destroy(SandboxRef(sandbox_id=sid))
+            await asyncio.gather(*hogs, return_exceptions=True)
+
+
 async def test_a_batch_past_every_queue_limit_completes(backend):
     """More calls at once than gRPC's pending-request limit (1,000): all queue, all run."""
     n = 1500
