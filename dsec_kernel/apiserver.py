@@ -832,7 +832,7 @@ class ApiServer:
         the stream keeps their entries."""
         tenant = await self._auth(req)
         r = HistoryRequest.model_validate_json(req.data)
-        async with self._history_reads.hold(tenant):  # a few reads at a time, fairly
+        async with self._history_reads.hold(tenant, bus.time_left()):  # a few at a time, fairly
             return HistoryResponse(commands=await self.trajectory.read(tenant, r.sandbox_id))
 
     def _in_sandbox(self, op: str, model: type[Any]) -> bus.Handler:
