@@ -12,31 +12,41 @@ through directory descriptors opened component by component with ``O_NOFOLLOW``
 with an error, and no path the edge follows as host root can lead out of the tree.
 
 What the sandbox put there also decides how much work a walk is, so every walk is bounded:
-at most :data:`MAX_DEPTH` directories deep (:class:`TooDeep` past it), one descriptor per
-level of the current path and a few dozen cached (thousands of sibling directories once
-held a descriptor each and ran the edge out of them), never recursive, sparse files copied
-as sparse and hard links as links (a 2 GB hole or 60 links to one file were written out in
-full to the store).
+at most :data:`MAX_DEPTH` directories deep (:class:`TooDeep` past it), no path longer than
+:data:`PATH_MAX` bytes (:class:`TooLong`; 510 directories of 255-byte names made 130 KB
+paths, a few MB on disk listed as 156 MiB), at most :data:`MAX_LISTING` bytes listed by one
+scan (:class:`TooLarge`), one descriptor per level of the current path and a few dozen cached
+(thousands of sibling directories once held a descriptor each and ran the edge out of them),
+never recursive, sparse files copied as sparse and hard links as links (a 2 GB hole or 60
+links to one file were written out in full to the store). Every entry and every chunk of
+data copied is a :func:`~.lanes.checkpoint`: cancelled lane work stops there.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsec_backend_container.lanes import checkpoint
 from dsec_kernel import errors
 from dsec_kernel.fileio import remove_tree
 
 __all__ = [
     "MAX_DEPTH",
+    "MAX_LISTING",
     "OPAQUE",
+    "PATH_MAX",
+    "Budget",
     "Entry",
     "Links",
     "TooDeep",
+    "TooLarge",
+    "TooLong",
     "Tree",
     "apply",
     "copy_entry",
@@ -52,6 +62,20 @@ OPAQUE = "trusted.overlay.opaque"
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: deepest nesting of directories a walk goes (far past any real project's)
 MAX_DEPTH = 512
+#: longest path (``/a/b`` below the tree's root) a walk takes, in bytes: Linux's PATH_MAX,
+#: the longest a system call takes, so no program opens a longer one by its name either
+PATH_MAX = 4096
+#: most bytes one scan lists: each entry's path (as a snapshot's manifest writes it) and
+#: :data:`ENTRY_BYTES` for the rest of it. A manifest is at most that; what a scan holds in
+#: memory is about that (a million files of 130-byte paths list 250 MB)
+MAX_LISTING = 256 << 20
+#: what an entry of a listing costs besides its path: the most its manifest line's
+#: metadata can take (20 digits for each of size and two times, ...)
+ENTRY_BYTES = 120
+#: characters JSON writes escaped (a control character as ``\u00XX``: 5 bytes more)
+_ESCAPED = re.compile(r'[\x00-\x1f"\\]')
+#: most data copied per system call (a checkpoint between two)
+_COPY_CHUNK = 64 << 20
 #: directory descriptors a Tree keeps open besides its root
 _CACHED = 64
 #: hard links copied so far in one piece of work: (device, inode) -> the path of the copy
@@ -68,13 +92,40 @@ class TooDeep(errors.InvalidArgument):
         )
 
 
+class TooLong(errors.InvalidArgument):
+    """A path in a tree is longer than :data:`PATH_MAX` bytes."""
+
+    def __init__(self, rel: str) -> None:
+        super().__init__(
+            f"a path in the sandbox's files is longer than {PATH_MAX} bytes ({rel[:200]!r}...); "
+            "snapshots and diffs stop there: rename or move that tree to shorten it first"
+        )
+
+
+class TooLarge(errors.InvalidArgument):
+    """Trees list more than a scan's :class:`Budget` allows (:data:`MAX_LISTING`)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"the sandbox's files list more than {limit >> 20} MiB of paths (and metadata), too "
+            "many to snapshot or diff: remove or archive some of them (a tar file is one entry)"
+        )
+
+
 def _depth(rel: str) -> int:
     return rel.count("/")
 
 
-@dataclass(frozen=True)
+def _name_bytes(name: str) -> tuple[int, int]:
+    """(bytes of ``name`` on disk, bytes it takes in a manifest)."""
+    n = len(name) if name.isascii() else len(os.fsencode(name))
+    return n, n + 5 * len(_ESCAPED.findall(name))
+
+
+@dataclass(frozen=True, slots=True)
 class Entry:
-    """What a path is, enough to tell whether it changed (ctime moves on every change)."""
+    """What a path is, enough to tell whether it changed (ctime moves on every change).
+    (Slotted: a scan holds one per path, up to millions.)"""
 
     kind: str  # f(ile) d(ir) l(ink) w(hiteout) o(ther)
     mode: int
@@ -122,6 +173,8 @@ class Tree:
             return fd
         if _depth(rel) > MAX_DEPTH:
             raise TooDeep(rel)
+        if len(rel) > PATH_MAX // 4 and len(os.fsencode(rel)) > PATH_MAX:
+            raise TooLong(rel)
         base = rel
         while base and base not in self._dirs:
             base = base.rpartition("/")[0]
@@ -186,27 +239,53 @@ def _entry(st: os.stat_result, opaque: bool = False) -> Entry:
                  st.st_ctime_ns, opaque)  # fmt: skip
 
 
-def scan(root: Path) -> dict[str, Entry]:
+class Budget:
+    """Bytes scans may still list (see :data:`MAX_LISTING`): one scan's, or shared by the
+    scans of one piece of work, which holds all their listings at once."""
+
+    __slots__ = ("left", "limit")
+
+    def __init__(self, limit: int = MAX_LISTING) -> None:
+        self.left = self.limit = limit
+
+    def take(self, n: int) -> None:
+        """TooLarge if ``n`` more bytes are more than is left."""
+        self.left -= n
+        if self.left < 0:
+            raise TooLarge(self.limit)
+
+
+def scan(root: Path, budget: Budget | None = None) -> dict[str, Entry]:
     """Every path below ``root`` (``/a/b`` form, ``root`` itself excluded), sorted. What
     vanishes or changes type while being read is left out (or seen as it became); TooDeep
-    past :data:`MAX_DEPTH`. Holds a descriptor per level of the current path only."""
+    past :data:`MAX_DEPTH`, TooLong for a path past :data:`PATH_MAX` bytes, TooLarge past
+    what ``budget`` allows (None: a budget of its own, :data:`MAX_LISTING`). Holds a
+    descriptor per level of the current path only. Every entry's parent is listed before it
+    (each path is its parent's, then ``/`` and its name), so callers can work parent first
+    instead of ancestor by ancestor."""
     out: dict[str, Entry] = {}
     try:
         top = os.open(root, _DIR)
     except FileNotFoundError:
         return out
-    stack: list[tuple[str, int, list[str]]] = []  # (rel, fd, subdirectories left)
+    left = budget if budget is not None else Budget()
     try:
-        stack.append(("", top, _list_into(top, "", out)))
+        listed = _list_into(top, ("", 0, 0), out, left)
+    except BaseException:
+        os.close(top)
+        raise
+    stack: list[tuple[str, int, list[_Subdir]]] = [("", top, listed)]  # (rel, fd, to list)
+    try:
         while stack:
             rel, fd, subdirs = stack[-1]
             if not subdirs:
                 stack.pop()
                 os.close(fd)
                 continue
-            r = f"{rel}/{subdirs.pop()}"
+            name, size, cost = subdirs.pop()
+            r = f"{rel}/{name}"
             try:
-                child = os.open(r.rpartition("/")[2], _DIR, dir_fd=fd)
+                child = os.open(name, _DIR, dir_fd=fd)
             except (FileNotFoundError, NotADirectoryError):
                 continue  # gone, or no longer a directory
             except OSError as exc:
@@ -217,7 +296,7 @@ def scan(root: Path) -> dict[str, Entry]:
                 out[r] = _entry(os.fstat(child), _opaque(child))
                 if len(stack) > MAX_DEPTH:
                     raise TooDeep(r)
-                listed = _list_into(child, r, out)
+                listed = _list_into(child, (r, size, cost), out, left)
             except BaseException:
                 os.close(child)
                 raise
@@ -228,18 +307,30 @@ def scan(root: Path) -> dict[str, Entry]:
     return dict(sorted(out.items()))
 
 
-def _list_into(fd: int, rel: str, out: dict[str, Entry]) -> list[str]:
-    """Enter the non-directories of directory ``fd`` (at ``rel``) in ``out``; return the
-    names of its subdirectories."""
+#: a directory still to list: (name, bytes of its path, bytes of its path in a manifest)
+_Subdir = tuple[str, int, int]
+
+
+def _list_into(
+    fd: int, at: tuple[str, int, int], out: dict[str, Entry], left: Budget
+) -> list[_Subdir]:
+    """Enter the non-directories of directory ``fd`` (``at``: its path as a :data:`_Subdir`)
+    in ``out``, charging each entry to ``left``; return its subdirectories, last first."""
+    rel, size, cost = at
     subdirs = []
     with os.scandir(fd) as it:
         for de in it:
+            checkpoint()
+            n, m = _name_bytes(de.name)
+            if size + 1 + n > PATH_MAX:
+                raise TooLong(f"{rel}/{de.name}")
+            left.take(cost + 1 + m + ENTRY_BYTES)
             try:
                 st = de.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
             if stat.S_ISDIR(st.st_mode):
-                subdirs.append(de.name)
+                subdirs.append((de.name, size + 1 + n, cost + 1 + m))
             else:
                 out[f"{rel}/{de.name}"] = _entry(st)
     subdirs.sort(reverse=True)
@@ -362,6 +453,7 @@ def _copy_data(src: int, dst: int, size: int) -> int:
     filesystems of different types copy_file_range refuses, pread/pwrite does not."""
     copied = off = 0
     while off < size:
+        checkpoint()
         try:
             data = os.lseek(src, off, os.SEEK_DATA)
         except OSError as exc:
@@ -378,13 +470,17 @@ def _copy_data(src: int, dst: int, size: int) -> int:
 def _copy_range(src: int, dst: int, start: int, end: int) -> int:
     pos = start
     try:
-        while pos < end and (n := os.copy_file_range(src, dst, end - pos, pos, pos)):
+        while pos < end and (
+            n := os.copy_file_range(src, dst, min(end - pos, _COPY_CHUNK), pos, pos)
+        ):
             pos += n
+            checkpoint()
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP):
             raise
         while pos < end and (chunk := os.pread(src, min(end - pos, 1 << 20), pos)):
             pos += os.pwrite(dst, chunk, pos)
+            checkpoint()
     return pos - start
 
 
@@ -413,6 +509,7 @@ def apply(delta: Path, target: Path, keep_whiteouts: bool = True) -> None:
     links: Links = {}
     with Tree(delta) as src, Tree(target) as dst:
         for rel, e in scan(delta).items():
+            checkpoint()
             if e.kind == "w":
                 remove(dst, rel)
                 if keep_whiteouts:

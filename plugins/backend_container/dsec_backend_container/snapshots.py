@@ -18,6 +18,12 @@ A chain deeper than ``max_depth`` is compacted: the new snapshot's delta then ho
 chain merged (depth 1). A snapshot nothing holds, not kept, and unused for ``grace_s`` is
 collected; restoring or forking first takes a hold, then checks the snapshot is still there,
 and collection re-checks holds after moving a snapshot aside, so the two cannot race.
+
+Taking one is bounded as walks are (:mod:`.overlay`): the manifest is a scan's listing, so it
+is at most ``max_listing`` bytes (names written as they are on disk, not escaped), and one
+far past that (written before there was a limit) is not read. Every entry is a
+:func:`~.lanes.checkpoint`; a snapshot cancelled, or failing, removes its ``.tmp-*``
+directory.
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dsec_backend_container.lanes import checkpoint
 from dsec_backend_container.overlay import (
+    MAX_LISTING,
+    Budget,
     Entry,
     Links,
     Tree,
@@ -69,11 +78,18 @@ LEFTOVER_S = 3600.0
 
 
 class Snapshots:
-    def __init__(self, store: LayerStore, max_depth: int = 16, grace_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        store: LayerStore,
+        max_depth: int = 16,
+        grace_s: float = 60.0,
+        max_listing: int = MAX_LISTING,
+    ) -> None:
         self.store = store
         self.root = store.snapshots_root()
         self.max_depth = max_depth
         self.grace_s = grace_s
+        self.max_listing = max_listing
 
     def _dir(self, snap_id: str) -> Path:
         return self.root / snap_id
@@ -99,9 +115,20 @@ class Snapshots:
         return [self._dir(s) / "delta" for s in chain]
 
     def manifest(self, snap_id: str | None) -> dict[str, Entry]:
+        """The listing of the upper ``snap_id`` was taken of (None: nothing). A manifest is
+        at most ``max_listing`` bytes; one of more than twice that (from before there was a
+        limit, or escaped as they were) is InvalidArgument, not read."""
         if snap_id is None:
             return {}
-        data = json.loads((self._dir(snap_id) / "manifest.json").read_text())
+        with open(self._dir(snap_id) / "manifest.json", "rb") as f:
+            raw = f.read(2 * self.max_listing + 1)
+        if len(raw) > 2 * self.max_listing:
+            raise errors.InvalidArgument(
+                f"snapshot {snap_id} lists more than {2 * self.max_listing >> 20} MiB of paths "
+                "(it was taken before there was a limit): restore the sandbox to it, or fork "
+                "it, rather than add snapshots to it"
+            )
+        data = json.loads(raw.decode("utf-8", "surrogateescape"))
         return {k: Entry.from_list(v) for k, v in data.items()}
 
     # -- holds ---------------------------------------------------------------------------------
@@ -152,7 +179,7 @@ class Snapshots:
         tmp = self.root / f".tmp-{snap_id}"
         (tmp / "holds").mkdir(parents=True)
         try:
-            now = scan(upper)
+            now = scan(upper, Budget(self.max_listing))
             before = self.manifest(baseline)
             depth = self.get(parent).depth + 1 if parent else 1
             (tmp / "delta").mkdir()
@@ -164,7 +191,7 @@ class Snapshots:
                 size = _tree_bytes(tmp / "delta")
             else:
                 size = _copy_changes(upper, now, before, tmp / "delta")
-            (tmp / "manifest.json").write_text(json.dumps({k: v.as_list() for k, v in now.items()}))
+            (tmp / "manifest.json").write_bytes(_manifest_json(now))
             meta = SnapshotMeta(
                 id=snap_id, tenant=tenant, sandbox_id=sandbox_id, backend=backend, parent=parent,
                 depth=depth, created_at=time.time(), bytes=size, keep=keep, layers=layers,
@@ -233,6 +260,14 @@ class Snapshots:
         return removed
 
 
+def _manifest_json(listing: dict[str, Entry]) -> bytes:
+    """``listing`` as JSON, names as their bytes on disk (what scan counted them as): not
+    ASCII-escaped, which made non-UTF-8 names six times as long. (Manifests written escaped
+    read the same.)"""
+    text = json.dumps({k: v.as_list() for k, v in listing.items()}, ensure_ascii=False)
+    return text.encode("utf-8", "surrogateescape")
+
+
 def _copy_changes(
     upper: Path, now: dict[str, Entry], before: dict[str, Entry], delta: Path, merge: bool = False
 ) -> int:
@@ -241,13 +276,17 @@ def _copy_changes(
     With ``merge``, ``delta`` already holds older changes and is overwritten where needed.
     """
     size = 0
-    full_copy: set[str] = set()  # directories that became opaque: all they hold is new
+    fresh: set[str] = set()  # directories that became opaque, and those below: all is new
     made: set[str] = {""}  # directories known to be in ``delta`` (so not checked again)
     links: Links = {}
     with Tree(upper) as src, Tree(delta) as dst:
-        for rel, e in now.items():
+        for rel, e in now.items():  # (parents first: a scan's order)
+            checkpoint()
             old = before.get(rel)
-            if old == e and not any(a in full_copy for a in _ancestors(rel)):
+            if rel.rpartition("/")[0] in fresh:
+                if e.kind == "d":
+                    fresh.add(rel)
+            elif old == e:
                 continue
             try:
                 _parents(src, dst, rel, made)
@@ -259,7 +298,7 @@ def _copy_changes(
                     remove(dst, rel)
                     copy_entry(src, dst, rel)
                     if e.opaque and (old is None or not old.opaque or merge):
-                        full_copy.add(rel)
+                        fresh.add(rel)
                     continue
                 remove(dst, rel)
                 size += copy_entry(src, dst, rel, links=links)
@@ -271,8 +310,10 @@ def _copy_changes(
                     raise
         gone = {rel for rel in before if rel not in now}
         for rel in sorted(gone):
-            if any(a in gone for a in _ancestors(rel)):
-                continue  # a deleted directory's whiteout covers its contents
+            checkpoint()
+            if rel.rpartition("/")[0] in gone:
+                continue  # a deleted directory's whiteout covers its contents (listings hold
+                # every entry's parent: one gone above means its parent is gone too)
             try:
                 _parents(src, dst, rel, made)
             except (FileNotFoundError, NotADirectoryError):
@@ -285,18 +326,14 @@ def _copy_changes(
     return size
 
 
-def _ancestors(rel: str) -> list[str]:
-    """``/a/b/c`` -> ``["/a", "/a/b"]``."""
-    parts = rel.split("/")
-    return ["/".join(parts[:i]) for i in range(2, len(parts))]
-
-
 def _parents(src: Tree, dst: Tree, rel: str, made: set[str]) -> None:
     """Make ``rel``'s missing parent directories in ``dst``, as they are in ``src``; those
-    in ``made`` are known to be there already."""
-    for cur in _ancestors(rel):
-        if cur in made:
-            continue
+    in ``made`` are known to be there already (so are their ancestors: only the missing are
+    climbed to, not every ancestor's path built for each entry)."""
+    missing = [rel.rpartition("/")[0]]
+    while missing[-1] not in made:
+        missing.append(missing[-1].rpartition("/")[0])
+    for cur in reversed(missing[:-1]):
         if kind_at(dst, cur) != "d":
             remove(dst, cur)
             try:
