@@ -34,7 +34,7 @@ from dsec_backend_container.fsdiff import diff
 from dsec_backend_container.helper import Helper, compiler
 from dsec_backend_container.inits import Inits, exited, process_start
 from dsec_backend_container.inodes import InodeLimits
-from dsec_backend_container.lanes import Lanes
+from dsec_backend_container.lanes import Lanes, checkpoint
 from dsec_backend_container.layout import Meta, SandboxDir, Trash, delete_tree
 from dsec_backend_container.network import Egress
 from dsec_backend_container.overlay import apply
@@ -644,6 +644,8 @@ class ContainerBackend(Backend):
         sd.remove(self.trash)
 
     async def destroy(self, ref: SandboxRef) -> None:
+        # its long work (a snapshot, an fs_diff) stops first: a snapshot holds the lock
+        await self.lanes.cancel(ref.sandbox_id)
         async with self._lock(ref.sandbox_id):
             meta = self.metas.pop(ref.sandbox_id, None)
             pidfd = self.inits.take(ref.sandbox_id)
@@ -674,7 +676,7 @@ class ContainerBackend(Backend):
     async def pause(self, ref: SandboxRef) -> PauseReport:
         async with self._lock(ref.sandbox_id):
             meta = self._meta(ref.sandbox_id)
-            return await self.lanes.run(meta.tenant, self._pause, meta.id)
+            return await self.lanes.run(meta.tenant, self._pause, meta.id, key=meta.id)
 
     async def prestage(self, layers: list[str], tenant: str | None = None) -> list[str]:
         """Mount each layer (held until the backend closes, or until :data:`PRESTAGED`
@@ -693,8 +695,8 @@ class ContainerBackend(Backend):
                 oldest = next(iter(self._staged))
                 del self._staged[oldest]
                 self.store.release(oldest, self._holder("prestaged"))
-            for _ in os.walk(root):
-                pass
+            for _ in os.walk(root):  # its metadata read ahead of the sandboxes that use it
+                checkpoint()
             staged.append(_owned_ref(layer))
         return staged
 
@@ -815,7 +817,9 @@ class ContainerBackend(Backend):
     async def snapshot(self, request: SnapshotRequest) -> SnapshotInfo:
         async with self._lock(request.sandbox_id):
             meta = self._meta(request.sandbox_id)
-            snap = await self.lanes.run(meta.tenant, self._snapshot, meta, request.keep)
+            snap = await self.lanes.run(
+                meta.tenant, self._snapshot, meta, request.keep, key=meta.id
+            )
         return SnapshotInfo(
             id=snap.id, sandbox_id=snap.sandbox_id, tenant=snap.tenant, backend=self.name,
             parent=snap.parent, depth=snap.depth, created_at=snap.created_at, bytes=snap.bytes,
@@ -845,6 +849,7 @@ class ContainerBackend(Backend):
         return snap
 
     async def restore(self, request: RestoreRequest) -> None:
+        await self.lanes.cancel(request.sandbox_id, "the sandbox was restored while this ran")
         async with self._lock(request.sandbox_id):
             meta = self._meta(request.sandbox_id)
             chain = await asyncio.to_thread(self._restore_chain, meta, request.snapshot_id)
@@ -895,7 +900,7 @@ class ContainerBackend(Backend):
 
     async def fs_diff(self, request: FsDiffRequest) -> FsDiff:
         meta = self._meta(request.sandbox_id)
-        return await self.lanes.run(meta.tenant, self._fs_diff, meta, request.since)
+        return await self.lanes.run(meta.tenant, self._fs_diff, meta, request.since, key=meta.id)
 
     def _fs_diff(self, meta: Meta, since: str | None) -> FsDiff:
         sd = SandboxDir(self.root, meta.id)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from dsec_backend_container.backend import ContainerBackend
+from dsec_backend_container.lanes import checkpoint
 from pyroute2 import IPRoute
 
 from dsec_kernel import errors
@@ -213,6 +214,27 @@ async def test_commands_left_running_leave_few_exec_groups_behind(backend, box):
         await sh(backend, box, "sleep 0.05 >/dev/null 2>&1 &")
     left = [p for p in freezer.iterdir() if p.name.startswith("exec-")]
     assert 0 < len(left) <= 64, len(left)
+
+
+async def test_destroying_a_sandbox_stops_its_long_work(backend):
+    """A walk on the sandbox's lane (a snapshot, an fs_diff) stops at its next step when the
+    sandbox is destroyed, and the destroy waits for it to let go."""
+    sid = "sb-" + os.urandom(8).hex()
+    await backend.create(new(sid))
+    started_walk = threading.Event()
+
+    def walk() -> None:  # what a walk does between its steps
+        started_walk.set()
+        while True:
+            checkpoint()
+            time.sleep(0.001)
+
+    work = asyncio.ensure_future(backend.lanes.run("t", walk, key=sid))
+    await asyncio.to_thread(started_walk.wait, 10)
+    await backend.destroy(SandboxRef(sandbox_id=sid))
+    assert work.done()
+    with pytest.raises(errors.Unavailable, match="destroyed while this ran"):
+        await work
 
 
 async def test_a_timeout_kills_through_the_helper_when_the_cgroup_kill_fails(backend, box):
