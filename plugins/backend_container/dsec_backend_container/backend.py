@@ -566,28 +566,20 @@ class ContainerBackend(Backend):
 
     def _check_limits(self, limits: Limits) -> None:
         """InvalidArgument for limits past what this node lets one sandbox have."""
-        memory = self.config.max_memory_mb or self.memory_cap >> 20
-        if (limits.memory_mb or 0) > memory:
-            raise errors.InvalidArgument(
-                f"limits.memory_mb {limits.memory_mb} is over the {memory} MiB one container "
-                "sandbox may have on this node"
-            )
-        if (limits.pids or 0) > self.config.max_pids:
-            raise errors.InvalidArgument(
-                f"limits.pids {limits.pids} is over the {self.config.max_pids} processes one "
-                "container sandbox may have on this node"
-            )
-        disk = self.config.max_disk_mb or self.fs.group_bytes >> 20
-        if (limits.disk_mb or 0) > disk:
-            raise errors.InvalidArgument(
-                f"limits.disk_mb {limits.disk_mb} is over the {disk} MiB one container sandbox "
-                "may have on this node"
-            )
-        if (limits.inodes or 0) > self.config.max_inodes:
-            raise errors.InvalidArgument(
-                f"limits.inodes {limits.inodes} is over the {self.config.max_inodes} one "
-                "container sandbox may have on this node"
-            )
+        c = self.config
+        maxima = (
+            ("memory_mb", c.max_memory_mb or self.memory_cap >> 20, " MiB"),
+            ("pids", c.max_pids, " processes"),
+            ("disk_mb", c.max_disk_mb or self.fs.group_bytes >> 20, " MiB"),
+            ("inodes", c.max_inodes, " inodes"),
+        )
+        for field, most, unit in maxima:
+            asked = getattr(limits, field)
+            if (asked or 0) > most:
+                raise errors.InvalidArgument(
+                    f"limits.{field} {asked} is over the {most}{unit} one container sandbox "
+                    "may have on this node"
+                )
 
     def _limit(self, sandbox_id: str, limits: Any) -> None:
         group = self._group(sandbox_id).create()
