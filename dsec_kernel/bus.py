@@ -226,6 +226,9 @@ async def connect(
         elif up:
             log.warning("NATS connection %s: %s", name, _describe(exc))
         else:
+            if last is None and not _refused(exc):  # once: a wait the caller can see
+                log.warning("NATS at %s does not answer yet (%s); trying for up to %gs",
+                            ", ".join(servers), _describe(exc), timeout)  # fmt: skip
             last = exc
             if _refused(exc):
                 refused.set()

@@ -5,6 +5,10 @@ default ``~/.dsec/connection.json``); and where operator commands find the servi
 
 The URL carries no credential: the SDK logs in to NATS with the token (see
 :meth:`dsec_kernel.bus.Login.for_token`).
+
+Both files name the ``dsec up`` that wrote them (its pid, host and PID namespace), which
+removes them when it stops. A file whose writer is no longer running on this host is stale:
+using it fails at once with a line that says so, instead of waiting on a dead port.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ __all__ = [
     "Connection",
     "connection_file",
     "read_service",
+    "remove_written",
     "resolve",
     "service_file",
     "write_connection",
@@ -55,26 +60,80 @@ def write_private(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def _writer() -> dict[str, object]:
+    """Who is writing: this process, on this host, in this PID namespace."""
+    return {"pid": os.getpid(), "host": os.uname().nodename, "pidns": _pidns()}
+
+
+def _pidns() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _writer_gone(data: dict) -> int | None:
+    """The pid of the ``dsec up`` that wrote ``data`` if it is known not to run any more
+    (same host and PID namespace, and no process of that pid runs dsec); else None."""
+    pid = data.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return None  # written by hand, or by an older dsec: nothing to judge by
+    if data.get("host") != os.uname().nodename or data.get("pidns") != _pidns():
+        return None  # another machine's or container's: its pids are not ours to look at
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return pid
+    return None if b"dsec" in cmdline else pid  # a reused pid is not the writer
+
+
+def _shown(path: Path) -> str:
+    home = Path.home()
+    return f"~/{path.relative_to(home)}" if path.is_relative_to(home) else str(path)
+
+
+def _check_fresh(path: Path, data: dict) -> None:
+    if (pid := _writer_gone(data)) is not None:
+        raise errors.Unavailable(
+            f"no DSec at {data.get('url')} (from {_shown(path)}, written by dsec up pid {pid}, "
+            "which is not running): start it with `dsec up`",
+            retryable=False,
+        )
+
+
 def write_connection(path: Path, conn: Connection) -> None:
     """Write the file readable by its owner only (it holds a credential)."""
-    write_private(path, json.dumps(asdict(conn)))
+    write_private(path, json.dumps({**asdict(conn), **_writer()}))
 
 
 def write_service(path: Path, url: str, login_file: Path) -> None:
     """Write the service file: ``url`` (no credential) and the path of the login file."""
-    write_private(path, json.dumps({"url": url, "login_file": str(login_file)}))
+    write_private(path, json.dumps({"url": url, "login_file": str(login_file), **_writer()}))
+
+
+def remove_written(*paths: Path) -> None:
+    """Remove those of ``paths`` that this process wrote (another's are left alone)."""
+    for path in paths:
+        try:
+            if json.loads(path.read_text()).get("pid") == os.getpid():
+                path.unlink()
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 def read_service(path: Path) -> tuple[str, Path]:
-    """The NATS URL and the service login file that ``dsec up`` wrote to ``path``."""
+    """The NATS URL and the service login file that ``dsec up`` wrote to ``path``;
+    Unavailable at once if the ``dsec up`` that wrote it is not running."""
     try:
         data = json.loads(path.read_text())
-        return data["url"], Path(data["login_file"])
+        url, login_file = data["url"], Path(data["login_file"])
     except (OSError, ValueError, KeyError, TypeError):
         raise errors.InvalidArgument(
             f"pass --nats-url and --nats-login-file (the service login): {path}, which "
             "`dsec up` writes, is not readable"
         ) from None
+    _check_fresh(path, data)
+    return url, login_file
 
 
 def resolve(url: str | None = None, token: str | None = None) -> Connection:
@@ -93,4 +152,6 @@ def resolve(url: str | None = None, token: str | None = None) -> Connection:
         ) from None
     except (OSError, json.JSONDecodeError) as exc:
         raise errors.Unauthenticated(f"cannot read the connection file {path}: {exc}") from None
+    if not url:
+        _check_fresh(path, data)
     return Connection(url or data["url"], token or data["token"], data.get("tenant", ""))

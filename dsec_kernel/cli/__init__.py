@@ -31,7 +31,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=0, help="NATS client port (default: a free one)")
     s.add_argument("--node", help="this node's name (default: the host name)")
     s.add_argument("--backends", type=_csv, help="backends to run (default: all that can)")
+    s.add_argument(
+        "--rm",
+        action="store_true",
+        help="remove every sandbox when stopping (default: they stay, and the next up adopts them)",
+    )
     s.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...: run CMD, then stop")
+
+    s = sub.add_parser("down", help="stop the dsec up of a state dir, removing every sandbox first")
+    s.add_argument("--state-dir", type=Path, help="the dsec up's (default ~/.dsec)")
+    s.add_argument("--keep", action="store_true", help="stop it but keep the sandboxes")
+    s.add_argument("--timeout", type=float, default=120.0,
+                   help="how long to wait for it to stop, in seconds (default 120)")  # fmt: skip
 
     s = sub.add_parser(
         "cluster-up",
@@ -44,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--edges", type=int, default=4, help="edges, nodes n1..nN (default 4)")
     s.add_argument("--cloud", type=int, default=0, help="of them, how many in pool cloud")
     s.add_argument("--backends", type=_csv, help="backends to run (default: all that can)")
+    s.add_argument(
+        "--rm",
+        action="store_true",
+        help="remove every sandbox when stopping (default: they stay, and the next up adopts them)",
+    )
     s.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...: run CMD, then stop")
 
     login_help = 'the NATS login, a JSON file {"user": ..., "password": ...}'
@@ -398,14 +414,18 @@ def main(argv: list[str] | None = None) -> int:
             from dsec_kernel.cli.up import up
 
             command = args.command[1:] if args.command[:1] == ["--"] else args.command
-            return up(args.state_dir, args.port, args.node, args.backends, command)
+            return up(args.state_dir, args.port, args.node, args.backends, command, args.rm)
+        if args.cmd == "down":
+            from dsec_kernel.cli.up import down
+
+            return down(args.state_dir, args.keep, args.timeout)
         if args.cmd == "cluster-up":
             from dsec_kernel.cli.up import cluster_up
 
             command = args.command[1:] if args.command[:1] == ["--"] else args.command
             return cluster_up(
                 args.state_dir, args.nats_servers, args.apiservers, args.edges, args.cloud,
-                args.backends, command,
+                args.backends, command, args.rm,
             )  # fmt: skip
         if args.cmd == "apiserver":
             from dsec_kernel.cli.services import run_apiserver
