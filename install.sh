@@ -32,7 +32,15 @@ fi
 args=(-e ".[test,fast]")
 for p in "${plugins[@]}"; do args+=(-e "$p"); done
 echo "install: pip install ${args[*]}"
-"$PY" -m pip install -q --disable-pip-version-check --root-user-action=ignore "${args[@]}"
+# one line per step pip takes (a fresh venv takes ~40 s), its whole output kept for a failure
+log=$(mktemp)
+if ! "$PY" -m pip install --progress-bar off --disable-pip-version-check --root-user-action=ignore \
+     "${args[@]}" 2>&1 | tee "$log" \
+     | { grep --line-buffered -E '^(Obtaining|Collecting|Building|Installing|Successfully)' || true; } \
+     | sed -u 's/^/install: pip: /'; then
+  echo "install: pip failed; its output:" >&2; tail -40 "$log" >&2; rm -f "$log"; exit 1
+fi
+rm -f "$log"
 command -v pyenv >/dev/null && pyenv rehash || true
 echo "$want" > "$stamp"
 echo "install: done ($("$PY" -m dsec_kernel.cli --version))"

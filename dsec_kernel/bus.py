@@ -334,12 +334,24 @@ class NoResponders(errors.Unavailable):
     milliseconds after a service has subscribed, a request may still find none)."""
 
 
-def validation_message(exc: ValidationError) -> str:
-    """A one-line summary of a pydantic error, naming the fields."""
+#: pydantic's bound errors, said shortly
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<",
+           "less_than_equal": "<="}  # fmt: skip
+
+
+def validation_message(exc: ValidationError, names: dict[str, str] | None = None) -> str:
+    """A one-line summary of a pydantic error, naming the fields (as ``names`` calls them,
+    when the caller knows them by other names: the SDK's ``timeout`` is ``timeout_s``)."""
     parts = []
     for e in exc.errors()[:5]:
-        loc = ".".join(str(x) for x in e["loc"]) or "request"
-        parts.append(f"{loc}: {e['msg']}")
+        loc = ".".join(str((names or {}).get(str(x), x)) for x in e["loc"]) or "request"
+        if (op := _BOUNDS.get(e["type"])) is not None:
+            bound = next(iter((e.get("ctx") or {}).values()), "")
+            if isinstance(bound, float) and bound.is_integer():
+                bound = int(bound)
+            parts.append(f"{loc}: must be {op} {bound}")
+        else:
+            parts.append(f"{loc}: {e['msg']}")
     return "; ".join(parts)
 
 

@@ -39,6 +39,7 @@ class Child:
         self.name = name
         self.log = log
         with open(log, "ab") as f:
+            self.log_start = f.tell()  # what earlier runs wrote there is not this one's
             self.proc = subprocess.Popen(
                 argv,
                 stdout=f,
@@ -54,7 +55,9 @@ class Child:
     def check(self) -> None:
         """Raise Unavailable, with the end of its log, if the process has exited."""
         if self.proc.poll() is not None:
-            tail = self.log.read_text(errors="replace").splitlines()[-15:]
+            with open(self.log, "rb") as f:
+                f.seek(self.log_start)
+                tail = f.read().decode(errors="replace").splitlines()[-15:]
             raise errors.Unavailable(
                 f"{self.name} exited with status {self.proc.returncode}; last lines of "
                 f"{self.log}:\n  " + "\n  ".join(tail)
@@ -110,12 +113,14 @@ async def wait_ready(
     """Until an apiserver answers and lists every node in ``nodes`` up with a backend and a
     heartbeat newer than ``since`` (a time.time()).
 
-    Raises Unavailable if a child exits meanwhile or ``timeout`` passes.
+    Raises Unavailable if a child exits meanwhile or ``timeout`` passes, saying what was
+    last seen missing (no apiserver answered, or which node is not ready and why).
     """
     want = set(nodes)
     children = list(children)
     nc = await bus.connect(conn.url, name="dsec-wait", login=bus.Login.for_token(conn.token))
     deadline = time.monotonic() + timeout
+    missing = "no apiserver has answered yet"
     try:
         while True:
             for c in children:
@@ -129,20 +134,42 @@ async def wait_ready(
                     timeout=2,
                     headers={bus.TOKEN_HEADER: conn.token},
                 )
-                up = {
-                    n.node
-                    for n in resp.nodes
-                    if n.serving and n.backends and n.heartbeat_at >= since
-                }
-                if want <= up:
+                missing = _not_ready(want, resp.nodes, since)
+                if not missing:
                     return resp.nodes
-            except errors.DsecError:
-                pass
+            except errors.DsecError as exc:
+                missing = f"no apiserver answered ({exc})"
             if time.monotonic() > deadline:
-                raise errors.Unavailable(f"the platform was not ready within {timeout:.0f}s")
+                logs = ", ".join(str(c.log) for c in children if hasattr(c, "log"))
+                raise errors.Unavailable(
+                    f"the platform was not ready within {timeout:.0f}s: {missing}"
+                    + (f"; see {logs}" if logs else "")
+                )
             await asyncio.sleep(0.05)
     finally:
         await nc.drain()
+
+
+def _not_ready(want: set[str], nodes: list[NodeInfo], since: float) -> str:
+    """Why the nodes ``want`` are not all ready in ``nodes`` ("" if they are)."""
+    seen = {n.node: n for n in nodes}
+    why = []
+    for name in sorted(want):
+        n = seen.get(name)
+        if n is None:
+            why.append(f"node {name} has no record (its edge has not written a heartbeat)")
+        elif n.heartbeat_at < since:
+            why.append(
+                f"node {name}'s record is from before its edge started (its last heartbeat, "
+                f"{since - n.heartbeat_at:.0f}s earlier, was an older edge's)"
+            )
+        elif n.state != "up":
+            why.append(f"node {name} is marked {n.state} by the apiserver")
+        elif n.stopping_since is not None:
+            why.append(f"node {name}'s edge says it is stopping")
+        elif not n.backends:
+            why.append(f"node {name} serves no backend")
+    return "; ".join(why)
 
 
 class LocalCluster:

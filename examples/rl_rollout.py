@@ -22,9 +22,12 @@ import dsec_kernel as dsec
 GROUP = 8  # episodes per prompt
 LEASE_S = 2.0  # short, so that the demo's preemption is quick
 HOLD_MB = 24  # memory each episode's agent process keeps
+# the heartbeat is replaced whole (written aside, then renamed): `date > file` empties the
+# file before it writes, and a pause that freezes the agent in between left it empty for the
+# whole pause (a reader then got b"")
 AGENT = f"""x=$(head -c {HOLD_MB << 20} /dev/zero | tr '\\000' a)
 touch /work/agent-up
-while :; do date +%s > /work/heartbeat; sleep 0.2; done
+while :; do date +%s > /work/heartbeat.new; mv /work/heartbeat.new /work/heartbeat; sleep 0.2; done
 """
 
 
@@ -120,7 +123,11 @@ async def main() -> int:
             await until(sbs, "ready")
             log("all sandboxes resumed")
             await asyncio.sleep(0.5)
-            alive = await c.exec_many(sbs, "test $(cat /work/heartbeat) -ge $(date +%s) && echo up")
+            # a beat within the last second (the pause took seconds): a beat of the same
+            # second only would fail whenever the check fell just after a second's turn
+            alive = await c.exec_many(
+                sbs, "test $(cat /work/heartbeat) -ge $(( $(date +%s) - 1 )) && echo up"
+            )
             up = sum(r.stdout == b"up\n" for r in alive)
             log(f"agents alive after the pause: {up}/{GROUP}")
 

@@ -17,6 +17,8 @@ from dsec_backend_fncall.backend import FncallBackend
 
 import dsec_kernel as dsec
 from dsec_kernel import errors
+from dsec_kernel.cli import exitcodes
+from dsec_kernel.cluster import wait_ready
 
 REASON = FncallBackend.unavailable_reason()
 pytestmark = pytest.mark.skipif(bool(REASON), reason=f"fncall cannot run here: {REASON}")
@@ -93,7 +95,7 @@ def test_one_state_dir_serves_one_up_and_down_removes_everything(tmp_path):
     assert (state / "connection.json").stat().st_mode & 0o777 == 0o600
     second = subprocess.run([*DSEC, "up", "--state-dir", str(state)], capture_output=True,
                             text=True, timeout=60)  # fmt: skip
-    assert second.returncode == 1
+    assert second.returncode == exitcodes.BY_CODE["conflict"]
     assert f"dsec up (pid {first.pid}) already runs with {state} at {conn['url']}" in second.stderr
     assert json.loads((state / "connection.json").read_text()) == conn  # not overwritten
 
@@ -120,3 +122,15 @@ def test_a_stop_says_what_stays_and_rm_removes_it(tmp_path):
     assert cli(state, "ls").stdout.count("sb-") == 1
     proc.send_signal(signal.SIGTERM)
     assert "removed 1 sandbox(es)" in finish(proc, lines)
+
+
+async def test_not_ready_says_which_node_and_why(local_cluster):
+    """A platform that is not ready within the wait says what was missing, not only that."""
+    cluster = local_cluster()
+    cluster.start_apiserver()
+    await cluster.ready()  # the apiserver answers; no edge yet
+    with pytest.raises(errors.Unavailable) as caught:
+        await wait_ready(cluster.conn, ["ghost"], cluster.apiservers, timeout=1)
+    message = caught.value.message
+    assert "not ready within 1s: node ghost has no record" in message, message
+    assert str(cluster.apiservers[0].log) in message

@@ -1,185 +1,79 @@
-"""The ``dsec`` command line."""
+"""The ``dsec`` command line: what each command does (the grammar is in :mod:`.parser`, the
+exit statuses in :mod:`.exitcodes`).
+
+Listings and reports print a table for people, or with ``--json`` one JSON object per line
+(bytes as text when they are UTF-8, else ``{"base64": ...}``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import logging
+import os
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
-from dsec_kernel import __version__, errors
+from dsec_kernel import errors
+from dsec_kernel.cli import exitcodes
+from dsec_kernel.cli.parser import UsageError, parse, parser
 
 __all__ = ["main"]
 
 
-def _csv(value: str) -> list[str]:
-    return [v for v in value.split(",") if v]
+def _plain(value: Any) -> Any:
+    """``value`` (a model's python dump) with bytes as text, or marked base64 if not UTF-8."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return {"base64": base64.b64encode(value).decode()}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dsec", description="DSec: elastic sandboxes for agentic RL")
-    p.add_argument("--version", action="version", version=f"dsec {__version__}")
-    p.add_argument("-v", "--verbose", action="store_true", help="log more")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-
-    s = sub.add_parser("up", help="run NATS + apiserver + edge on this machine")
-    s.add_argument("--state-dir", type=Path, help="where state, logs and the connection file go")
-    s.add_argument("--port", type=int, default=0, help="NATS client port (default: a free one)")
-    s.add_argument("--node", help="this node's name (default: the host name)")
-    s.add_argument("--backends", type=_csv, help="backends to run (default: all that can)")
-    s.add_argument(
-        "--rm",
-        action="store_true",
-        help="remove every sandbox when stopping (default: they stay, and the next up adopts them)",
-    )
-    s.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...: run CMD, then stop")
-
-    s = sub.add_parser("down", help="stop the dsec up of a state dir, removing every sandbox first")
-    s.add_argument("--state-dir", type=Path, help="the dsec up's (default ~/.dsec)")
-    s.add_argument("--keep", action="store_true", help="stop it but keep the sandboxes")
-    s.add_argument("--timeout", type=float, default=120.0,
-                   help="how long to wait for it to stop, in seconds (default 120)")  # fmt: skip
-
-    s = sub.add_parser(
-        "cluster-up",
-        help="run a real cluster on this machine: a NATS cluster, apiservers, and edges each in "
-        "its own network namespace",
-    )
-    s.add_argument("--state-dir", type=Path, help="where state, logs and the connection file go")
-    s.add_argument("--nats-servers", type=int, default=3, help="NATS servers (default 3)")
-    s.add_argument("--apiservers", type=int, default=2, help="apiservers (default 2)")
-    s.add_argument("--edges", type=int, default=4, help="edges, nodes n1..nN (default 4)")
-    s.add_argument("--cloud", type=int, default=0, help="of them, how many in pool cloud")
-    s.add_argument("--backends", type=_csv, help="backends to run (default: all that can)")
-    s.add_argument(
-        "--rm",
-        action="store_true",
-        help="remove every sandbox when stopping (default: they stay, and the next up adopts them)",
-    )
-    s.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...: run CMD, then stop")
-
-    login_help = 'the NATS login, a JSON file {"user": ..., "password": ...}'
-    s = sub.add_parser("apiserver", help="run an apiserver against an existing NATS")
-    s.add_argument("--nats-url")
-    s.add_argument("--nats-login-file", type=Path, help=login_help)
-    s.add_argument("--placement", help="placement policy (default least-loaded)")
-    s.add_argument("--node-timeout", type=float, dest="node_timeout_s")
-
-    s = sub.add_parser("edge", help="run this node's edge against an existing NATS")
-    s.add_argument("--nats-url")
-    s.add_argument("--nats-login-file", type=Path, help=login_help)
-    s.add_argument("--node")
-    s.add_argument("--pool")
-    s.add_argument("--state-dir", type=Path)
-    s.add_argument("--backends", type=_csv)
-    s.add_argument("--heartbeat", type=float, dest="heartbeat_s")
-
-    sub.add_parser("plugins", help="list installed plugins by group")
-
-    s = sub.add_parser("schema", help="write the wire messages' JSON Schemas")
-    s.add_argument("--out", type=Path, help="directory (default: print one JSON document)")
-
-    s = sub.add_parser("tenant", help="manage tenants (operator; talks to NATS directly)")
-    s.add_argument("action", choices=["create", "remove", "quota", "logins"],
-                   help="create: print a new credential once its NATS login is live; remove: "
-                   "delete every credential of the tenant; quota: set limits (omitted ones: "
-                   "none); logins: print the NATS authorization block for your own NATS's "
-                   "config")  # fmt: skip
-    s.add_argument("name", nargs="?")
-    s.add_argument("--nats-url", default=None, help="NATS URL (default: from `dsec up`)")
-    s.add_argument("--nats-login-file", type=Path, help=f"{login_help} (default: from `dsec up`)")
-    s.add_argument("--wait", type=float, default=10.0,
-                   help="create: longest wait for NATS to take its login (0: none)")  # fmt: skip
-    s.add_argument("--sandboxes", type=int, help="quota: most sandboxes at once")
-    s.add_argument("--cpus", type=float, help="quota: most CPUs (sum of the sandboxes' limits)")
-    s.add_argument("--memory-mb", type=int, help="quota: most memory (sum of their limits)")
-    s.add_argument(
-        "--max-priority",
-        type=int,
-        help="quota: highest priority its jobs have over other tenants' work",
-    )
-
-    s = sub.add_parser("layer", help="manage layers in the layer store (DSEC_STORAGE_CONFIG__ROOT)")
-    lsub = s.add_subparsers(dest="layer_cmd", required=True, metavar="ACTION")
-    li = lsub.add_parser("import", help="import a directory, tarball or OCI image layout")
-    li.add_argument("--kind", required=True, choices=["base", "workspace", "toolkit"])
-    li.add_argument("--name", required=True)
-    li.add_argument("--version", required=True)
-    li.add_argument("--tenant", help="the tenant it belongs to (default: public, for every tenant)")
-    li.add_argument("source")
-    lsub.add_parser("ls", help="list layers (every owner's)")
-    lr = lsub.add_parser("rm", help="remove a layer (refused while in use)")
-    lr.add_argument("ref", help="name:version")
-    lr.add_argument("--tenant", help="remove that tenant's layer (default: the public one)")
-    lr.add_argument("--force", action="store_true", help="even if held (by nodes that are gone)")
-    lsub.add_parser("gc", help="delete images no layer names and nothing holds")
-
-    s = sub.add_parser("create", help="create sandboxes")
-    s.add_argument("--count", type=int, default=1)
-    s.add_argument("--backend", default="fncall")
-    s.add_argument("--ttl", type=float)
-    s.add_argument("--base", help="base layer name:version (container backend)")
-    s.add_argument("--workspace", help="workspace layer name:version")
-    s.add_argument("--toolkit", action="append", default=[], help="toolkit layer (repeatable)")
-    s.add_argument("--network", choices=["none", "egress"], default="none")
-    s.add_argument("--idle-ttl", type=float, help="pause after this many seconds without a command")
-    s.add_argument("--wait", type=float, default=30.0, help="longest wait for room (seconds)")
-
-    for verb in ("pause", "resume"):
-        s = sub.add_parser(verb, help=f"{verb} sandboxes")
-        s.add_argument("sandboxes", nargs="+", metavar="ID")
-
-    sub.add_parser("ls", help="list your sandboxes")
-    sub.add_parser("nodes", help="list nodes")
-
-    s = sub.add_parser("trajectory", help="a sandbox's trajectory as JSON lines")
-    s.add_argument("sandbox")
-
-    s = sub.add_parser("prestage", help="stage layers on a pool's nodes before a burst")
-    s.add_argument("layers", nargs="+", metavar="NAME:VERSION")
-    s.add_argument("--pool", help="node pool (default: every node)")
-
-    s = sub.add_parser("exec", help="run a command in a sandbox")
-    s.add_argument("sandbox")
-    s.add_argument("--timeout", type=float, default=60.0)
-    s.add_argument("command", nargs=argparse.REMAINDER)
-
-    s = sub.add_parser("fncall", help="run code in a throw-away sandbox")
-    s.add_argument("code")
-    s.add_argument("--language", default="python")
-    s.add_argument("--timeout", type=float, default=30.0)
-
-    s = sub.add_parser("destroy", help="destroy sandboxes")
-    s.add_argument("sandboxes", nargs="*")
-    s.add_argument("--all", action="store_true", help="every sandbox of yours")
-    return p
+def _json_line(obj: Any) -> None:
+    data = obj.model_dump(mode="python") if hasattr(obj, "model_dump") else obj
+    print(json.dumps(_plain(data), default=str))
 
 
-def _cmd_plugins() -> int:
+def _cmd_plugins(as_json: bool) -> int:
     from rich.console import Console
     from rich.table import Table
 
     from dsec_kernel.plugins import GROUPS, discover
 
-    table = Table("group", "name", "distribution", "version", "status / capabilities")
+    table = Table("group", "name", "version", "status")
     for group in GROUPS:
         for info in discover(group):
+            row: dict[str, Any] = {
+                "group": group, "name": info.name, "distribution": info.distribution,
+                "version": info.version,
+            }  # fmt: skip
             if info.error:
-                status = f"[red]broken: {info.error}[/red]"
+                row["status"], text = "broken", f"[red]broken: {info.error}[/red]"
+                row["error"] = str(info.error)
+            elif group == "dsec.backends" and (reason := info.obj.unavailable_reason()):
+                row["status"], text = "unavailable", f"[yellow]cannot run here: {reason}[/yellow]"
+                row["reason"] = reason
             elif group == "dsec.backends":
-                reason = info.obj.unavailable_reason()
                 caps = info.obj.capabilities.model_dump(exclude_defaults=True)
-                status = (
-                    f"[yellow]cannot run here: {reason}[/yellow]" if reason else json.dumps(caps)
-                )
+                row["status"], row["capabilities"] = "ok", caps
+                text = ", ".join(["ok", *(k for k, v in caps.items() if v is True)])
             else:
-                status = "ok"
-            table.add_row(group, info.name, info.distribution, info.version, status)
-    Console().print(table)
+                row["status"], text = "ok", "ok"
+            if as_json:
+                _json_line(row)
+            table.add_row(group.removeprefix("dsec."), info.name, info.version, text)
+    if not as_json:
+        Console().print(table)
     return 0
 
 
@@ -255,7 +149,7 @@ async def _cmd_tenant(args: argparse.Namespace) -> int:
                 ) from None
     finally:
         await nc.drain()
-    print(token)
+    _json_line({"tenant": name, "token": token}) if args.json else print(token)
     return 0
 
 
@@ -284,7 +178,8 @@ async def _client_cmd(args: argparse.Namespace) -> int:
                     wait=args.wait,
                     progress=lambda done, total: bar.update(task, completed=done),
                 )
-            print("\n".join(sb.id for sb in sbs))
+            for sb in sbs:
+                _json_line(sb.info) if args.json else print(sb.id)
         elif args.cmd in ("pause", "resume"):
             reports = await getattr(c, args.cmd)(args.sandboxes)
             for r in reports:
@@ -295,15 +190,22 @@ async def _client_cmd(args: argparse.Namespace) -> int:
             table = Table("id", "backend", "node", "state", "job", "pool", "expires")
             for sb in await c.list():
                 i = sb.info
+                if args.json:
+                    _json_line(i)
+                    continue
                 state = f"{i.state} ({i.paused_reason})" if i.paused_reason else i.state
                 pool = f"{i.pool}{' (idle)' if i.in_pool else ''}" if i.pool else ""
                 table.add_row(
                     sb.id, sb.backend, sb.node, state, i.job or "", pool, _when(i.expires_at)
                 )
-            console.print(table)
+            if not args.json:
+                console.print(table)
         elif args.cmd == "nodes":
             table = Table("node", "state", "pool", "backends", "sandboxes", "paused", "cpu load")
             for n in await c.nodes():
+                if args.json:
+                    _json_line(n)
+                    continue
                 table.add_row(
                     n.node,
                     n.state if n.serving or n.state == "down" else "stopping",
@@ -313,10 +215,14 @@ async def _client_cmd(args: argparse.Namespace) -> int:
                     str(n.load.paused),
                     f"{n.load.cpu_load:.2f}",
                 )
-            console.print(table)
+            if not args.json:
+                console.print(table)
         elif args.cmd == "trajectory":
             for rec in await c.trajectory(args.sandbox):
-                print(rec.model_dump_json())
+                if args.json:
+                    _json_line(rec)
+                else:
+                    print(_record_line(rec))
         elif args.cmd == "prestage":
             resp = await c.prestage(args.layers, pool=args.pool)
             print(f"staged on {len(resp.nodes)} node(s): {', '.join(sorted(resp.nodes)) or '-'}")
@@ -324,17 +230,13 @@ async def _client_cmd(args: argparse.Namespace) -> int:
                 print(f"  {f.id}: {f.error.message}", file=sys.stderr)
             return 1 if resp.failed else 0
         elif args.cmd == "exec":
-            command = args.command[1:] if args.command[:1] == ["--"] else args.command
-            if not command:
-                raise errors.InvalidArgument(
-                    "give the command after the sandbox id: dsec exec ID -- CMD"
-                )
-            r = await (await c.get(args.sandbox)).exec(command, timeout=args.timeout)
-            return _print_result(r)
+            if not args.command:
+                raise UsageError("give the command after the sandbox id: dsec exec ID -- CMD")
+            r = await (await c.get(args.sandbox)).exec(args.command, timeout=args.timeout)
+            return _print_result(r, args.json)
         elif args.cmd == "fncall":
-            return _print_result(
-                await c.fncall(args.code, language=args.language, timeout=args.timeout)
-            )
+            r = await c.fncall(args.code, language=args.language, timeout=args.timeout)
+            return _print_result(r, args.json)
         elif args.cmd == "destroy":
             targets: list[Any] = await c.list() if args.all else args.sandboxes
             done = await c.destroy(targets) if targets else []
@@ -391,77 +293,113 @@ def _when(t: float | None) -> str:
     return "-" if t is None else f"in {max(0, t - time.time()):.0f}s"
 
 
-def _print_result(r: Any) -> int:
-    sys.stdout.buffer.write(r.stdout)
-    sys.stderr.buffer.write(r.stderr)
-    if r.timed_out:
-        print(f"dsec: timed out after {r.duration_s:.1f}s", file=sys.stderr)
-    if r.truncated:
-        print("dsec: output truncated", file=sys.stderr)
-    return r.exit_code if 0 <= r.exit_code < 256 else 1
+def _print_result(r: Any, as_json: bool) -> int:
+    if as_json:
+        _json_line(r)
+    else:
+        sys.stdout.buffer.write(r.stdout)
+        sys.stderr.buffer.write(r.stderr)
+        if r.timed_out:
+            print(f"dsec: timed out after {r.duration_s:.1f}s", file=sys.stderr)
+        if r.truncated:
+            print("dsec: output truncated", file=sys.stderr)
+    return exitcodes.for_result(r.exit_code, r.timed_out)
+
+
+def _record_line(rec: Any) -> str:
+    """One trajectory record for people: when, what, and its output as text."""
+    data = _plain(rec.model_dump(mode="python", exclude_defaults=True))
+    return json.dumps(data, default=str, ensure_ascii=False)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:  # `dsec schema | head`: the reader had enough
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: list[str]) -> int:
+    try:
+        args = parse(argv)
+    except UsageError as exc:
+        print(f"dsec: {exc}", file=sys.stderr)
+        return exitcodes.USAGE
+    service = args.cmd in ("up", "cluster-up", "apiserver", "edge")
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.DEBUG if args.verbose else logging.INFO if service else logging.WARNING,
+        # a service's log has times; a command's warnings read as its other lines do
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        if service
+        else "dsec: %(message)s",
     )
     from dsec_kernel.plugins import PluginLoadError
 
     try:
-        if args.cmd == "up":
-            from dsec_kernel.cli.up import up
-
-            command = args.command[1:] if args.command[:1] == ["--"] else args.command
-            return up(args.state_dir, args.port, args.node, args.backends, command, args.rm)
-        if args.cmd == "down":
-            from dsec_kernel.cli.up import down
-
-            return down(args.state_dir, args.keep, args.timeout)
-        if args.cmd == "cluster-up":
-            from dsec_kernel.cli.up import cluster_up
-
-            command = args.command[1:] if args.command[:1] == ["--"] else args.command
-            return cluster_up(
-                args.state_dir, args.nats_servers, args.apiservers, args.edges, args.cloud,
-                args.backends, command, args.rm,
-            )  # fmt: skip
-        if args.cmd == "apiserver":
-            from dsec_kernel.cli.services import run_apiserver
-
-            run_apiserver(
-                nats_url=args.nats_url,
-                nats_login_file=args.nats_login_file,
-                placement=args.placement,
-                node_timeout_s=args.node_timeout_s,
-            )
-            return 0
-        if args.cmd == "edge":
-            from dsec_kernel.cli.services import run_edge
-
-            run_edge(
-                nats_url=args.nats_url,
-                nats_login_file=args.nats_login_file,
-                node=args.node,
-                pool=args.pool,
-                state_dir=args.state_dir,
-                backends=args.backends,
-                heartbeat_s=args.heartbeat_s,
-            )
-            return 0
-        if args.cmd == "plugins":
-            return _cmd_plugins()
-        if args.cmd == "schema":
-            return _cmd_schema(args.out)
-        if args.cmd == "layer":
-            return _cmd_layer(args)
-        if args.cmd == "tenant":
-            return asyncio.run(_cmd_tenant(args))
-        return asyncio.run(_client_cmd(args))
+        return _run(args)
+    except UsageError as exc:
+        print(f"dsec: {exc}", file=sys.stderr)
+        return exitcodes.USAGE
     except errors.DsecError as exc:
         print(f"dsec: {exc}", file=sys.stderr)
-        return 2
+        return exitcodes.for_error(exc)
     except PluginLoadError as exc:
         print(f"dsec: {exc}", file=sys.stderr)
-        return 3
+        return exitcodes.PLUGIN
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.cmd == "up":
+        from dsec_kernel.cli.up import up
+
+        return up(args.state_dir, args.port, args.node, args.backends, args.command, args.rm)
+    if args.cmd == "down":
+        from dsec_kernel.cli.up import down
+
+        return down(args.state_dir, args.keep, args.timeout)
+    if args.cmd == "cluster-up":
+        from dsec_kernel.cli.up import cluster_up
+
+        return cluster_up(
+            args.state_dir, args.nats_servers, args.apiservers, args.edges, args.cloud,
+            args.backends, args.command, args.rm,
+        )  # fmt: skip
+    if args.cmd == "apiserver":
+        from dsec_kernel.cli.services import run_apiserver
+
+        run_apiserver(
+            nats_url=args.nats_url,
+            nats_login_file=args.nats_login_file,
+            placement=args.placement,
+            node_timeout_s=args.node_timeout_s,
+        )
+        return 0
+    if args.cmd == "edge":
+        from dsec_kernel.cli.services import run_edge
+
+        run_edge(
+            nats_url=args.nats_url,
+            nats_login_file=args.nats_login_file,
+            node=args.node,
+            pool=args.pool,
+            state_dir=args.state_dir,
+            backends=args.backends,
+            heartbeat_s=args.heartbeat_s,
+        )
+        return 0
+    if args.cmd == "plugins":
+        return _cmd_plugins(args.json)
+    if args.cmd == "schema":
+        return _cmd_schema(args.out)
+    if args.cmd == "completion":
+        import shtab
+
+        print(shtab.complete(parser(), shell=args.shell))
+        return 0
+    if args.cmd == "layer":
+        return _cmd_layer(args)
+    if args.cmd == "tenant":
+        return asyncio.run(_cmd_tenant(args))
+    return asyncio.run(_client_cmd(args))

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dsec_kernel import errors
-from dsec_kernel.cli import leftovers
+from dsec_kernel.cli import exitcodes, leftovers
 from dsec_kernel.cluster import LocalCluster, ensure_tenant
 from dsec_kernel.config import default_node_name, default_state_dir
 from dsec_kernel.connection import (
@@ -245,7 +245,7 @@ def _run(
         lock = _lock_state_dir(state_dir)
     except errors.DsecError as exc:
         _say(f"error: {exc.message}")
-        return 1
+        return exitcodes.for_error(exc)
     conn_path, serv_path = connection_file(state_dir), service_file(state_dir)
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -296,7 +296,7 @@ def _run(
         return 0
     except errors.DsecError as exc:
         _say(f"error: {exc.message}")
-        return 1
+        return exitcodes.for_error(exc)
     finally:
         remove_written(conn_path, serv_path)  # nothing left pointing at a dead port
         if ready:

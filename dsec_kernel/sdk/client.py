@@ -74,12 +74,18 @@ _MARGIN_S = 30.0
 Progress = Callable[[int, int], object]
 
 
+#: wire fields the SDK's methods take under other names
+_ARGUMENT_NAMES = {"timeout_s": "timeout", "ttl_s": "ttl", "idle_ttl_s": "idle_ttl",
+                   "wait_s": "wait", "sandbox_ids": "sandboxes"}  # fmt: skip
+
+
 def _model(cls: type[M], **fields: object) -> M:
-    """Build a request model; bad arguments raise InvalidArgument naming the field."""
+    """Build a request model; bad arguments raise InvalidArgument naming the argument as the
+    caller gave it (``timeout: must be > 0``)."""
     try:
         return cls(**fields)
     except ValidationError as exc:
-        raise errors.InvalidArgument(bus.validation_message(exc)) from None
+        raise errors.InvalidArgument(bus.validation_message(exc, _ARGUMENT_NAMES)) from None
 
 
 def _raise_for(result: ExecResult) -> ExecResult:
