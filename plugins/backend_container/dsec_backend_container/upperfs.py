@@ -6,8 +6,10 @@ else is touched: the node's other sandboxes keep their room, and the host's own 
 only ever sees one image file of bounded size. Quotas are thin (their sum may pass the
 filesystem's size), so each tenant's subvolumes are also grouped in a qgroup of their own
 (level 1, its id a hash of the tenant's name) whose limit is ``group_bytes``: however many
-sandboxes a tenant fills, its neighbours keep the rest of the filesystem. A group stays once
-made (a few hundred bytes of the quota tree), with its limit set again at each start.
+sandboxes a tenant fills, its neighbours keep the rest of the filesystem. A subvolume leaves
+its group before it is deleted, which gives its bytes back to the group at once (the kernel
+keeps a deleted subvolume's bytes in its groups). A group stays once made (a few hundred
+bytes of the quota tree), with its limit set again at each start.
 
 Every inode a sandbox makes costs it metadata bytes (about 350 measured); btrfs has no inode
 quota, so :mod:`.inodes` counts them (:meth:`UpperFs.highest_inode`,
@@ -59,6 +61,8 @@ _LIMIT_MAX_RFER = 1
 _FIRST_FREE_OBJECTID = 256  # the inode number of every subvolume's root directory
 _LAST_FREE_OBJECTID = (1 << 64) - 256  # above: orphan items and other special objects
 _INODE_ITEM_KEY = 1
+_QUOTA_TREE = 8  # BTRFS_QUOTA_TREE_OBJECTID
+_QGROUP_RELATION_KEY = 246
 #: struct btrfs_ioctl_search_key (tree 0: the subvolume of the fd), then buf_size
 _SEARCH_KEY = struct.Struct("7Q4I4QQ")
 _SEARCH_NR_ITEMS = 64  # offset of nr_items, which the kernel sets to the items it returned
@@ -239,6 +243,18 @@ class UpperFs:
         finally:
             os.close(fd)
 
+    def _leave_groups(self, subvolume: int) -> None:
+        """Take ``subvolume`` out of every group qgroup it is in (the kernel subtracts what it
+        references from each: exact, as sandboxes' subvolumes share no extents)."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for group in _parent_qgroups(fd, subvolume):
+                leave = bytearray(struct.pack("QQQ", 0, subvolume, group))
+                if fcntl.ioctl(fd, _QGROUP_ASSIGN, leave) > 0:
+                    log.warning("btrfs wants its quotas rescanned after %d left a group", subvolume)
+        finally:
+            os.close(fd)
+
     @staticmethod
     def highest_inode(fd: int, known: int = _FIRST_FREE_OBJECTID) -> int:
         """The highest inode number in use in the subvolume open as ``fd``, searched upwards
@@ -276,7 +292,18 @@ class UpperFs:
 
     def delete(self, path: Path) -> None:
         """Delete the subvolume at ``path`` with all it holds (the kernel frees its blocks in
-        the background; its quota group goes with it). A missing one is nothing to do."""
+        the background). It leaves its groups first, which gives its bytes back to them at
+        once: deleting it alone left them counted in its tenant's group for good (a tenant
+        that had made and destroyed half the disk's worth could write nothing). A missing
+        one is nothing to do."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return
+        try:
+            self._leave_groups(self.subvolume(fd))
+        finally:
+            os.close(fd)
         parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.ioctl(parent, _SNAP_DESTROY, _vol_args(path.name))
@@ -303,6 +330,22 @@ def _search(fd: int, start: int, kind: int | None, items: int, size: int) -> tup
     buf = bytearray(key) + bytes(size)
     fcntl.ioctl(fd, _TREE_SEARCH_V2, buf)
     return struct.unpack_from("I", buf, _SEARCH_NR_ITEMS)[0], buf
+
+
+def _parent_qgroups(fd: int, qgroup: int) -> list[int]:
+    """The qgroups that ``qgroup`` is a member of (its relation items in the quota tree)."""
+    key = _SEARCH_KEY.pack(_QUOTA_TREE, qgroup, qgroup, 0, (1 << 64) - 1, 0, (1 << 64) - 1,
+                           _QGROUP_RELATION_KEY, _QGROUP_RELATION_KEY, 256, 0, 0, 0, 0, 0,
+                           1 << 16)  # fmt: skip
+    buf = bytearray(key) + bytes(1 << 16)
+    fcntl.ioctl(fd, _TREE_SEARCH_V2, buf)
+    parents, offset = [], _SEARCH_KEY.size
+    for _ in range(struct.unpack_from("I", buf, _SEARCH_NR_ITEMS)[0]):
+        _, _, other, _, length = _SEARCH_HEADER.unpack_from(buf, offset)
+        offset += _SEARCH_HEADER.size + length
+        if other >> 48 > qgroup >> 48:  # (both directions are stored: a child's too)
+            parents.append(other)
+    return parents
 
 
 def _any_from(fd: int, objectid: int) -> bool:

@@ -18,7 +18,14 @@ from dsec_kernel import errors
 from dsec_kernel.backend import ExecCall, SandboxRef
 from dsec_kernel.conformance import started
 from dsec_kernel.storage import open_store
-from dsec_kernel.wire import EdgeSandbox, Env, Limits, SandboxSpec, WriteFileRequest
+from dsec_kernel.wire import (
+    EdgeSandbox,
+    Env,
+    Limits,
+    RestoreRequest,
+    SandboxSpec,
+    WriteFileRequest,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -247,6 +254,36 @@ async def test_a_tenant_fills_its_share_of_the_node_disk_not_the_rest(make_confi
             for sb in [*mine, theirs]:
                 await b.destroy(SandboxRef(sandbox_id=sb.id))
             assert all(leftovers(b, sb.id) == [] for sb in [*mine, theirs])
+
+
+async def test_a_destroyed_sandbox_gives_its_bytes_back_to_its_tenant(make_config, tmp_path):
+    """What a destroyed (or restored) sandbox had written stops counting against its tenant's
+    share at once: three rounds of writing 40 of a 64 MiB share each, destroying in between,
+    all fit (the second had got EDQUOT: a deleted subvolume's bytes stayed in the group)."""
+    async with started(ContainerBackend(make_config(tenant_disk_mb=64)), tmp_path) as b:
+        fill = "dd if=/dev/zero of=/big bs=1M count=40 2>/dev/null; sync; wc -c < /big"
+        for _ in range(3):
+            sb = new(Env(base="busybox:1"))
+            sb.spec.limits.disk_mb = 64
+            await b.create(sb)
+            try:
+                call = ExecCall(sandbox_id=sb.id, argv=["sh", "-c", fill], timeout_s=60,
+                                max_output_bytes=4096)  # fmt: skip
+                assert int((await b.exec(call)).stdout) >> 20 == 40
+                await b.restore(RestoreRequest(sandbox_id=sb.id))  # its upper, emptied
+                await trash_emptied(b)
+                assert int((await b.exec(call)).stdout) >> 20 == 40
+            finally:
+                await b.destroy(SandboxRef(sandbox_id=sb.id))
+            await trash_emptied(b)
+
+
+async def trash_emptied(b: ContainerBackend) -> None:
+    """Until the trash's thread has deleted what was discarded (milliseconds)."""
+    deadline = time.monotonic() + 30
+    while any(b.trash.root.iterdir()):
+        assert time.monotonic() < deadline, list(b.trash.root.iterdir())
+        await asyncio.sleep(0.05)
 
 
 async def test_a_full_node_disk_fails_the_sandbox_not_the_node(make_config, tmp_path):
