@@ -28,7 +28,11 @@ def cluster(local_cluster, busybox_env):
     return c
 
 
-async def test_an_rl_step_loop_through_the_sdk(cluster):
+async def test_an_rl_step_loop_through_the_sdk(local_cluster, busybox_env):
+    # room for 4 sandboxes a node: the 4 forks must use both nodes, whatever the nodes' load
+    # (both report this machine's, read at different times: it decided the spread alone)
+    cluster = local_cluster({**busybox_env, "DSEC_BACKEND_CONFIG__CONTAINER__MAX_SANDBOXES": "4"})
+    cluster.start_apiserver()
     cluster.start_edge("n1", ["container"], "--heartbeat", "0.2")
     cluster.start_edge("n2", ["container"], "--heartbeat", "0.2")
     await cluster.ready()
