@@ -17,6 +17,7 @@ on the entry's revision. :class:`Mirror` keeps an in-memory copy of a bucket fro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -204,6 +205,8 @@ class ClusterState:
         for bucket in BUCKETS:
             try:
                 kvs[bucket] = await js.key_value(bucket)
+                if create:
+                    await ensure_replicas(js, f"KV_{bucket}", replicas)
             except nats.js.errors.BucketNotFoundError:
                 if not create:
                     raise errors.Unavailable(
@@ -376,6 +379,30 @@ class ClusterState:
         if node is None:
             return mirror.items
         return {k: v for k, v in mirror.items.items() if v[0].node == node}
+
+
+async def ensure_replicas(js: JetStreamContext, name: str, replicas: int) -> None:
+    """Give the existing stream ``name`` at least ``replicas`` copies: one made with fewer
+    (by a single-server run on the same state, say) would be lost with the server holding
+    it. Raised in place (JetStream copies it to the new peers) with a warning; if the
+    cluster refuses, the warning says how to do it by hand."""
+    info = await js.stream_info(name)
+    have = info.config.num_replicas or 1
+    if have >= replicas:
+        return
+    try:
+        done = await js.update_stream(dataclasses.replace(info.config, num_replicas=replicas))
+        if (done.config.num_replicas or 1) < replicas:
+            raise nats.errors.Error(f"it kept {done.config.num_replicas}")
+    except nats.errors.Error as exc:
+        log.warning(
+            "stream %s has %d replica(s), fewer than the %d configured (DSEC_KV_REPLICAS), and "
+            "JetStream would not raise them (%s): run `nats stream edit %s --replicas %d`",
+            name, have, replicas, exc, name, replicas,
+        )  # fmt: skip
+        return
+    log.warning("stream %s had %d replica(s), fewer than the %d configured (DSEC_KV_REPLICAS): "
+                "raised to %d", name, have, replicas, replicas)  # fmt: skip
 
 
 async def _get(kv: KeyValue, key: str, parse: Callable[[bytes], T]) -> tuple[T, int] | None:

@@ -22,6 +22,7 @@ import nats.js.errors
 from nats.js import api
 from nats.js.client import JetStreamContext
 
+from dsec_kernel.state import ensure_replicas
 from dsec_kernel.wire import CommandRecord, ExecResult
 
 __all__ = ["READ_BYTES", "Replays", "Trajectory", "stream", "subject"]
@@ -76,7 +77,7 @@ class Trajectory:
         try:
             await self.js.add_stream(config)
         except nats.js.errors.BadRequestError:  # made meanwhile, or before
-            pass
+            await ensure_replicas(self.js, config.name, self.config["replicas"])
         self._made.add(tenant)
 
     async def append(self, tenant: str, sandbox_id: str, record: CommandRecord) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 from collections import Counter
 
 import pytest
@@ -16,8 +17,11 @@ from dsec_backend_container.backend import ContainerBackend
 from dsec_storage_3fs.images import busybox_tree, ensure_layer
 
 import dsec_kernel as dsec
+from dsec_kernel import bus
 from dsec_kernel.cluster import LocalCluster
+from dsec_kernel.state import BUCKETS, ensure_replicas
 from dsec_kernel.storage import open_store
+from dsec_kernel.trajectory import stream as trajectory_stream
 
 REASON = ContainerBackend.unavailable_reason() or (
     None if shutil.which("nsenter") and shutil.which("unshare") else "no nsenter/unshare"
@@ -102,6 +106,30 @@ async def test_work_goes_on_without_a_nats_server_and_an_apiserver(cluster):
         cluster.apiservers.pop()
         await cluster.ready(60)
         await c.destroy(sbs + more)
+
+
+async def test_every_bucket_and_stream_has_three_copies(cluster):
+    """On a 3-server cluster each KV bucket and trajectory stream is on all three; one made
+    with fewer (a single-server run on the same state) is raised when next opened."""
+    async with cluster.client() as c:
+        [sb] = await c.create(count=1, backend="container", env=BUSYBOX)
+        await sb.exec("true")  # the tenant's trajectory stream exists from here
+        await c.destroy([sb])
+    nc = await bus.connect(cluster.url, name="test-replicas")
+    try:
+        js = nc.jetstream()
+        streams = {i.config.name: i.config.num_replicas for i in await js.streams_info()}
+        assert {f"KV_{b}" for b in BUCKETS} | {trajectory_stream("default")} <= set(streams)
+        assert set(streams.values()) == {3}, streams
+        await js.create_key_value(bucket="dsec-scratch", replicas=1)
+        deadline = time.monotonic() + 30  # (a server restarted by an earlier test may still
+        while (await js.stream_info("KV_dsec-scratch")).config.num_replicas < 3:  # catch up)
+            assert time.monotonic() < deadline, "the stream kept one replica"
+            await ensure_replicas(js, "KV_dsec-scratch", 3)
+            await asyncio.sleep(0.5)
+        await js.delete_key_value("dsec-scratch")
+    finally:
+        await nc.close()
 
 
 async def test_a_killed_node_loses_its_sandboxes_and_recover_rebuilds_them(cluster):
