@@ -9,13 +9,14 @@ against it (but for interfaces and swap, which have no owner to tell).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
 
 import pytest
 
-from dsec_kernel.cgroups import v1_controllers, v2_own
+from dsec_kernel.cgroups import Group, v1_controllers, v2_own
 from dsec_kernel.cluster import LocalCluster
 
 pytest.register_assert_rewrite("dsec_kernel.conformance")  # before any test imports it
@@ -96,10 +97,17 @@ def hermetic():
 @pytest.fixture(scope="session", autouse=True)
 def session_cgroups(hermetic):
     """Move pytest into a cgroup of its own in every hierarchy that takes it (v1 cpuset,
-    with no CPUs of its own, does not; cgroup2 as "unified"); back out at the end."""
+    with no CPUs of its own, does not; cgroup2 as "unified"); back out at the end, and remove
+    them with whatever is left in them (the leak check has reported it by then). Empty groups
+    of earlier sessions killed before they could clean up go at the start; groups with
+    processes in them are left alone (another session's, maybe in another PID namespace)."""
     parents = v1_controllers() | ({"unified": own} if (own := v2_own()) else {})
-    made: dict[str, Path] = {}
     me = str(os.getpid())
+    for controller, parent in parents.items():
+        for old in parent.glob("dsec-tests-*"):
+            with contextlib.suppress(OSError):  # busy: someone's, still running
+                Group({controller: old}).remove(timeout=0)
+    made: dict[str, Path] = {}
     for controller, parent in parents.items():
         group = parent / f"dsec-tests-{me}"
         try:
@@ -112,12 +120,9 @@ def session_cgroups(hermetic):
             except OSError:
                 pass
     yield made
-    for controller, group in made.items():
+    for controller in made:
         (parents[controller] / "cgroup.procs").write_text(me)
-        try:
-            group.rmdir()
-        except OSError:  # something was left in it: the leak check said what
-            pass
+    Group(made).remove(timeout=15, kill=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
