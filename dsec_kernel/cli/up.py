@@ -19,6 +19,7 @@ says what stays and how to remove it, or removes everything first with ``--rm``,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -164,16 +165,23 @@ def down(state_dir: Path | None, keep: bool, timeout: float = 120.0) -> int:
     try:
         if fd is None or _try_lock(fd):
             raise errors.NotFound(f"no dsec up runs with {state_dir}; nothing to stop")
+        pid = _holder_pid(fd, state_dir)
         try:
-            pid = int(json.loads(os.pread(fd, 4096, 0))["pid"])
-        except (ValueError, KeyError, TypeError):
-            raise errors.Unavailable(
-                f"{state_dir / LOCK_FILE} names no pid; stop it by hand"
-            ) from None
-        marker = state_dir / DOWN_FILE
-        if not keep:
-            marker.write_text(str(pid))
-        os.kill(pid, signal.SIGTERM)
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            pidfd = None
+        try:  # the number is the holder's still (not reused by now): it holds the lock and
+            # the file still names it, checked after the pidfd pins the process
+            if pidfd is None or _try_lock(fd) or _holder_pid(fd, state_dir) != pid:
+                raise errors.Conflict(f"dsec up (pid {pid}) stopped meanwhile; try again")
+            marker = state_dir / DOWN_FILE
+            if not keep:
+                marker.write_text(str(pid))
+            with contextlib.suppress(ProcessLookupError):  # it ended just now: done
+                signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
         _say(f"stopping dsec up (pid {pid}){'' if keep else ', removing every sandbox'} ...")
         deadline = time.monotonic() + timeout
         while not _try_lock(fd):
@@ -189,6 +197,13 @@ def down(state_dir: Path | None, keep: bool, timeout: float = 120.0) -> int:
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def _holder_pid(fd: int, state_dir: Path) -> int:
+    try:
+        return int(json.loads(os.pread(fd, 4096, 0))["pid"])
+    except (ValueError, KeyError, TypeError):
+        raise errors.Unavailable(f"{state_dir / LOCK_FILE} names no pid; stop it by hand") from None
 
 
 def _try_lock(fd: int) -> bool:
