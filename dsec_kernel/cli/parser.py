@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from dsec_kernel import __version__
@@ -56,24 +57,23 @@ def _ref(value: str) -> str:
     return value
 
 
-def _positive(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, not {value!r}") from None
-    if not number > 0:
-        raise argparse.ArgumentTypeError("must be > 0")
-    return number
+def _bounded(cast: Callable[[str], float], low: float, strict: bool, what: str):
+    """An argument type: ``cast`` of the text, at least ``low`` (above it if ``strict``)."""
+
+    def parse(value: str) -> float:
+        try:
+            number = cast(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, not {value!r}") from None
+        if number < low or (strict and number == low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low}")
+        return number
+
+    return parse
 
 
-def _count(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, not {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError("must be >= 1")
-    return number
+_positive = _bounded(float, 0, True, "a number of seconds")
+_count = _bounded(int, 1, False, "a whole number")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
