@@ -141,3 +141,16 @@ def test_json_output_one_object_per_line(platform):
     c = dsec.Client(platform.conn.url, platform.conn.token)
     c.destroy([s["id"] for s in sandboxes])
     c.close()
+
+
+@pytest.mark.skipif(bool(REASON), reason=f"fncall cannot run here: {REASON}")
+def test_a_trajectory_cannot_drive_the_readers_terminal(platform):
+    """Output a sandbox wrote shows escaped: no ESC, C1 control or bidi override reaches the
+    terminal of whoever reads the trajectory."""
+    (sid,) = dsec_cli(platform, "create", "--backend", "fncall").stdout.split()
+    hostile = "printf 'a\\033]0;owned\\007\\302\\2332J\\342\\200\\256b'"
+    assert dsec_cli(platform, "exec", sid, "--", "sh", "-c", hostile).returncode == 0
+    shown = dsec_cli(platform, "trajectory", sid).stdout
+    assert "printf" in shown and not any(ch in shown for ch in "\x1b\x07\x9b\u202e"), shown
+    assert "\\u001b]0;owned\\u0007\\u009b2J\\u202eb" in shown, shown
+    assert dsec_cli(platform, "destroy", sid).returncode == 0

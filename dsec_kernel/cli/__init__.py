@@ -306,10 +306,18 @@ def _print_result(r: Any, as_json: bool) -> int:
     return exitcodes.for_result(r.exit_code, r.timed_out)
 
 
+#: what a terminal would act on beyond JSON's own escapes: C1 controls (0x9b is CSI to some
+#: terminals) and bidirectional overrides (text that reads other than it is)
+_TERMINAL_ACTIVE = re.compile("[\u0080-\u009f\u202a-\u202e\u2066-\u2069]")
+
+
 def _record_line(rec: Any) -> str:
-    """One trajectory record for people: when, what, and its output as text."""
+    """One trajectory record for people: when, what, and its output as text. A sandbox wrote
+    that output: JSON escapes its C0 controls, and the C1 ones and bidi overrides are escaped
+    too, so nothing in it acts on the reader's terminal."""
     data = _plain(rec.model_dump(mode="python", exclude_defaults=True))
-    return json.dumps(data, default=str, ensure_ascii=False)
+    text = json.dumps(data, default=str, ensure_ascii=False)
+    return _TERMINAL_ACTIVE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def main(argv: list[str] | None = None) -> int:
