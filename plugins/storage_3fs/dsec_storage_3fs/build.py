@@ -29,6 +29,8 @@ builds the uncompressed image, another digest.
 
 from __future__ import annotations
 
+import contextlib
+import decimal
 import hashlib
 import json
 import os
@@ -253,7 +255,7 @@ class _Tree:
         root.mkdir()
         os.chmod(root, 0o755)  # not left to the umask: images must not depend on it
         self.root = root
-        self.dir_mtimes: dict[str, float] = {}  # relative path -> mtime of its last tar entry
+        self.dir_mtimes: dict[str, int] = {}  # relative path -> mtime (ns) of its last entry
         self.max_bytes = max_bytes
         self.written = 0  # bytes of regular files written, overwritten ones too
 
@@ -274,7 +276,7 @@ class _Tree:
         for dirpath, _dirs, _files in os.walk(self.root, topdown=False):
             rel = os.path.relpath(dirpath, self.root)
             mtime = self.dir_mtimes.get("" if rel == "." else rel, 0)
-            os.utime(dirpath, (mtime, mtime))
+            os.utime(dirpath, ns=(mtime, mtime))
 
     def _entry(
         self, tf: tarfile.TarFile, m: tarfile.TarInfo, what: str, whiteouts: bool, written: set
@@ -292,7 +294,7 @@ class _Tree:
         if not rel:  # the tree's root itself
             if not m.isdir():
                 raise InvalidArgument(f"{what}: the root entry {m.name!r} is not a directory")
-            self.dir_mtimes[""] = m.mtime
+            self.dir_mtimes[""] = _mtime_ns(m)
             _set_meta(self.root, m)
             return
         parent = self._dir(parent_rel, what, create=True)
@@ -302,7 +304,7 @@ class _Tree:
             if not (target.is_dir() and not target.is_symlink()):
                 self._remove(parent, base)
                 target.mkdir()
-            self.dir_mtimes[rel] = m.mtime
+            self.dir_mtimes[rel] = _mtime_ns(m)
         else:
             self._remove(parent, base)
             if not self._create(tf, m, target, what) or m.islnk():
@@ -409,4 +411,16 @@ def _set_meta(path: Path, m: tarfile.TarInfo) -> None:
             raw = value.encode("utf-8", "surrogateescape")
             os.setxattr(path, key.removeprefix("SCHILY.xattr."), raw, follow_symlinks=False)
     if not m.isdir():
-        os.utime(path, (m.mtime, m.mtime), follow_symlinks=False)
+        mtime = _mtime_ns(m)
+        os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
+
+
+def _mtime_ns(m: tarfile.TarInfo) -> int:
+    """The entry's mtime in nanoseconds: a pax ``mtime`` exactly as written (tarfile makes it a
+    float, which keeps only about a tenth of a microsecond), so a directory and its pax archive
+    give the same image."""
+    raw = m.pax_headers.get("mtime")
+    if raw is not None:
+        with contextlib.suppress(ArithmeticError, ValueError):  # decimal's errors are both
+            return int(decimal.Decimal(raw).scaleb(9))
+    return int(m.mtime * 1_000_000_000)

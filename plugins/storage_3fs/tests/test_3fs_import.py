@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import stat
+import subprocess
 import tarfile
 
 import pytest
@@ -211,6 +212,20 @@ def test_reimport_is_idempotent_and_content_is_shared(store, sample_tree):
     other = store.import_layer(str(sample_tree), "base", "alias", "7")
     assert other.digest == first.digest
     assert len(list(store.root.glob("blobs/sha256/*.erofs"))) == 1
+    _assert_clean(store)
+
+
+def test_a_directory_and_its_pax_archive_are_one_image(store, tmp_path):
+    """Mtimes to the nanosecond, as GNU tar's pax format keeps them (a float keeps ~100 ns)."""
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "f").write_text("f\n")
+    for i, path in enumerate([src / "a" / "f", src / "a", src]):
+        os.utime(path, ns=(0, 1_714_557_600_123_456_789 + i))
+    archive = tmp_path / "src.tar"
+    subprocess.run(["tar", "--format=pax", "-C", src, "-cf", archive, "."], check=True)
+    from_dir = store.import_layer(str(src), "base", "ns", "dir")
+    assert store.import_layer(str(archive), "base", "ns", "tar").digest == from_dir.digest
     _assert_clean(store)
 
 
