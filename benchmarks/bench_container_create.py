@@ -53,17 +53,19 @@ async def dsec_side(cluster: LocalCluster, sequential: int, burst: int) -> dict[
     await cluster.ready()
     async with cluster.client(timeout=300) as c:
         for _ in range(5):  # warm the path
-            await c.destroy(await c.create(count=1, backend="container", env=BUSYBOX))
+            await c.destroy(dsec.check(await c.create(count=1, backend="container", env=BUSYBOX)))
         create, destroy = [], []
         for _ in range(sequential):
             t = time.perf_counter()
-            sbs = await c.create(count=1, backend="container", env=BUSYBOX)
+            sbs = dsec.check(await c.create(count=1, backend="container", env=BUSYBOX))
             create.append(time.perf_counter() - t)
             t = time.perf_counter()
             await c.destroy(sbs)
             destroy.append(time.perf_counter() - t)
         t = time.perf_counter()
-        sbs = await c.create(count=burst, backend="container", env=BUSYBOX, batch_size=burst)
+        sbs = dsec.check(
+            await c.create(count=burst, backend="container", env=BUSYBOX, batch_size=burst)
+        )
         burst_s = time.perf_counter() - t
         t = time.perf_counter()
         await c.destroy(sbs)

@@ -57,12 +57,12 @@ async def run(
         lat = []
         for _ in range(50):
             t = time.perf_counter()
-            sb = await c.create(count=1, backend="noop")
+            sb = dsec.check(await c.create(count=1, backend="noop"))
             lat.append(time.perf_counter() - t)
             await c.destroy(sb)
         before = {name: cpu_seconds(pid) for name, pid in procs.items()}
         t = time.perf_counter()
-        sbs = await c.create(count=n, backend="noop", batch_size=batch, concurrency=4)
+        sbs = dsec.check(await c.create(count=n, backend="noop", batch_size=batch, concurrency=4))
         create_s = time.perf_counter() - t
         after = {name: cpu_seconds(pid) for name, pid in procs.items()}
         nodes = {sb.node for sb in sbs}

@@ -48,7 +48,7 @@ async def create_all(c: dsec.AsyncClient, total: int, batch: int) -> tuple[list[
     step = max(batch * 4, total // 10)
     while len(ids) < total:
         n = min(step, total - len(ids))
-        made = await c.create(count=n, backend="noop", batch_size=batch, concurrency=4)
+        made = dsec.check(await c.create(count=n, backend="noop", batch_size=batch, concurrency=4))
         ids += [sb.id for sb in made]
         if t90 is None and len(ids) >= total * 0.9:
             t90, at90 = time.perf_counter(), len(ids)

@@ -26,6 +26,9 @@ _EXPORTS = {
     "Snapshot": "dsec_kernel.sdk",
     "Job": "dsec_kernel.sdk",
     "Pool": "dsec_kernel.sdk",
+    "DestroyReport": "dsec_kernel.sdk",
+    "NotCreated": "dsec_kernel.sdk",
+    "check": "dsec_kernel.sdk",
     "PauseReport": "dsec_kernel.wire",
     "Env": "dsec_kernel.wire",
     "FsDiff": "dsec_kernel.wire",
@@ -93,7 +96,18 @@ if TYPE_CHECKING:
         Unsupported,
     )
     from dsec_kernel.plugins import hookimpl
-    from dsec_kernel.sdk import AsyncClient, Client, Job, Pool, Sandbox, Snapshot, SyncSandbox
+    from dsec_kernel.sdk import (
+        AsyncClient,
+        Client,
+        DestroyReport,
+        Job,
+        NotCreated,
+        Pool,
+        Sandbox,
+        Snapshot,
+        SyncSandbox,
+        check,
+    )
     from dsec_kernel.wire import (
         Env,
         ExecResult,

@@ -142,6 +142,17 @@ class Admission:
         ]  # fmt: skip
         return max(0, int(min(room))) if room else None
 
+    def quota_fit(
+        self, tenant: str, spec: SandboxSpec, count: int
+    ) -> tuple[int, errors.QuotaExceeded | None]:
+        """How many of ``count`` sandboxes of ``spec`` the tenant's quota admits now, and
+        the error the others meet (None: all fit)."""
+        try:
+            self._check_quota(tenant, spec, count)
+        except errors.QuotaExceeded as exc:
+            return min(self.quota_room(tenant, spec) or 0, count - 1), exc
+        return count, None
+
     def _check_quota(self, tenant: str, spec: SandboxSpec, count: int) -> tuple[float, float]:
         assert self.quotas is not None
         cpus, mb = self.charge(spec)

@@ -24,7 +24,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from dsec_kernel import __version__, bus, errors
-from dsec_kernel.admission import Admission, Admitted
+from dsec_kernel.admission import Admission
 from dsec_kernel.config import ApiSettings
 from dsec_kernel.fairshare import TenantSlots
 from dsec_kernel.leases import Leases
@@ -35,6 +35,7 @@ from dsec_kernel.state import LIVE, NODES, SANDBOXES, TENANTS, ClusterState, Mir
 from dsec_kernel.trajectory import Trajectory
 from dsec_kernel.wire import (
     MAX_BATCH,
+    CreateFailure,
     CreateRequest,
     CreateResponse,
     DestroyRequest,
@@ -424,31 +425,50 @@ class ApiServer:
         tenant = await self._auth(req)
         r = CreateRequest.model_validate_json(req.data)
         if r.request_id and (done := self._created_by(tenant, r.request_id)):
-            return CreateResponse(sandboxes=done)  # sent again (a reconnect): not made twice
-        created, held = await self.admit_and_create(tenant, r)
-        return CreateResponse(sandboxes=created, queued_s=held.waited, queue_position=held.position)
+            # sent again (a reconnect): not made twice
+            short = r.count - len(done)
+            lost = errors.Unavailable(
+                f"{short} of the sandboxes were not made when this request was first sent; "
+                "create them again"
+            )  # (their error went with the first answer)
+            failed = [CreateFailure(count=short, error=lost.to_wire())] if short > 0 else []
+            return CreateResponse(sandboxes=done, failed=failed if r.partial else [])
+        return await self.admit_and_create(tenant, r)
 
     async def admit_and_create(
         self, tenant: str, r: CreateRequest, pool: str | None = None, in_pool: bool = False
-    ) -> tuple[list[SandboxInfo], Admitted]:
+    ) -> CreateResponse:
         """Every create's way in: through admission (the tenant's quota, the queue, its
-        job's priority) for up to ``r.wait_s``, then :meth:`create_sandboxes`."""
+        job's priority) for up to ``r.wait_s``, then :meth:`create_sandboxes`. A partial
+        create is admitted for as many as the tenant's quota allows now (the others fail
+        with QuotaExceeded); it raises only if it can make none."""
         self.check_spec(tenant, r.spec)
         job = self.leases.job(tenant, r.spec.job) if r.spec.job else None
         priority = job.priority if job else 0
+        asked = r.count
+        fit, over = self.admission.quota_fit(tenant, r.spec, asked) if r.partial else (asked, None)
+        if over is not None:
+            if fit == 0:
+                raise over
+            r = r.model_copy(update={"count": fit})
         deadline = time.monotonic() + r.wait_s
         while True:
             wait = max(0.0, deadline - time.monotonic())
             async with self.admission.admitted(tenant, r.spec, r.count, wait, priority) as held:
                 try:
-                    made = await self.create_sandboxes(
+                    made, failed = await self.create_sandboxes(
                         tenant, r, pool=pool, in_pool=in_pool, on_placed=held.placed
                     )
-                    return made, held
+                    break
                 except errors.CapacityExceeded:  # the nodes filled up between admission and
                     if time.monotonic() >= deadline:  # placement: queue again while time is left
                         raise
             await asyncio.sleep(0.05)
+        if over is not None:
+            failed.append(CreateFailure(count=asked - fit, error=over.to_wire()))
+        return CreateResponse(
+            sandboxes=made, failed=failed, queued_s=held.waited, queue_position=held.position
+        )
 
     async def create_sandboxes(
         self,
@@ -457,9 +477,11 @@ class ApiServer:
         pool: str | None = None,
         in_pool: bool = False,
         on_placed: Callable[[], None] | None = None,
-    ) -> list[SandboxInfo]:
-        """Create and record ``r.count`` sandboxes for ``tenant``: all of them, or none
-        (members of warm pool ``pool``, waiting in it with ``in_pool``)."""
+    ) -> tuple[list[SandboxInfo], list[CreateFailure]]:
+        """Create and record ``r.count`` sandboxes for ``tenant`` (members of warm pool
+        ``pool``, waiting in it with ``in_pool``): all of them, or none and the error raised;
+        with ``r.partial``, those the nodes made, and the others as a failure (raised if
+        none was made). A sandbox not made leaves nothing on any node."""
         self.check_spec(tenant, r.spec)
         now = time.time()
         expires = now + r.spec.ttl_s if r.spec.ttl_s else None
@@ -483,9 +505,11 @@ class ApiServer:
             created += created_now
             if not todo or (error is not None and not error.retryable):
                 break
-        if todo:
+        error = error or errors.Internal("creation failed")
+        if todo and not (r.partial and created):
             await self._rollback(created)
-            raise error or errors.Internal("creation failed")
+            raise error
+        failed = [CreateFailure(count=len(todo), error=error.to_wire())] if todo else []
         extra = {"request_id": r.request_id} if r.request_id else {}
         if pool is not None:
             extra |= {"pool": pool, "in_pool": in_pool}
@@ -499,7 +523,7 @@ class ApiServer:
         for info in created:
             self.sandboxes.items[info.id] = (info, revs[info.id])
             self._indexed(info.id, info)
-        return created
+        return created, failed
 
     def _created_by(self, tenant: str, request_id: str) -> list[SandboxInfo]:
         ids = self._by_request.get((tenant, request_id), ())
@@ -615,21 +639,28 @@ class ApiServer:
         tenant = await self._auth(req)
         r = DestroyRequest.model_validate_json(req.data)
         found: list[SandboxInfo] = []
-        out = DestroyResponse()
+        not_found: list[str] = []
         for sid in dict.fromkeys(r.ids):
             try:
                 found.append(await self._lookup(tenant, sid, allow_lost=True))
             except errors.NotFound:
-                out.not_found.append(sid)
-        out.destroyed = await self.destroy_sandboxes(found)
+                not_found.append(sid)
+        out = await self.destroy_sandboxes(found)
+        out.not_found = not_found
         return out
 
-    async def destroy_sandboxes(self, infos: list[SandboxInfo]) -> list[str]:
-        """Destroy on their edges (those lost with their node need none), then delete the
-        records.
+    async def destroy_all(self, infos: list[SandboxInfo]) -> list[str]:
+        """:meth:`destroy_sandboxes` for callers that answer as a whole: the ids destroyed,
+        or the first failure's error raised (after the others were destroyed)."""
+        out = await self.destroy_sandboxes(infos)
+        if out.failed:
+            raise errors.from_wire(out.failed[0].error)
+        return out.destroyed
 
-        Raises the first edge error after deleting what was destroyed; retrying is safe.
-        """
+    async def destroy_sandboxes(self, infos: list[SandboxInfo]) -> DestroyResponse:
+        """Destroy on their edges (those lost with their node need none), then delete the
+        records. Returns the ids destroyed, and as ``failed`` those whose edge could not
+        destroy them now (their records stay; destroying them again is safe)."""
         assert self.state is not None
 
         def edgeless(i: SandboxInfo) -> bool:  # lost on a node that is up: its edge cleans up
@@ -638,10 +669,9 @@ class ApiServer:
 
         done = [i.id for i in infos if edgeless(i)]
         groups = ids_by_node([i for i in infos if i.id not in done])
-        error: errors.DsecError | None = None
+        failed: list[Failure] = []
 
         async def one(node: str, ids: list[str]) -> None:
-            nonlocal error
             data = DestroyRequest(ids=ids).model_dump_json().encode()
             try:
                 await self._edge(node, "destroy", data, self.settings.edge_timeout_s)
@@ -649,7 +679,7 @@ class ApiServer:
                 if self.views[node].info.state == "down":
                     done.extend(ids)  # the node is gone; so are its sandboxes
                 else:
-                    error = exc
+                    failed.extend(Failure(id=i, error=exc.to_wire()) for i in ids)
                 return
             done.extend(ids)
 
@@ -662,9 +692,7 @@ class ApiServer:
                 self._indexed(info.id, None)
                 self._left(info)
         self.admission.pump()
-        if error is not None:
-            raise error
-        return done
+        return DestroyResponse(destroyed=done, failed=failed)
 
     def _left(self, info: SandboxInfo) -> None:
         """Count a destroyed sandbox out of its node's load now, not at the next heartbeat
@@ -733,9 +761,13 @@ class ApiServer:
         tenant = await self._auth(req)
         r = ExecRequest.model_validate_json(req.data)
         timeout = r.timeout_s + EXEC_MARGIN_S
-        if len(r.sandbox_ids) == 1:
-            info = await self._lookup(tenant, r.sandbox_ids[0])
-            return await self._edge(info.node, "exec", req.data, timeout)
+        if len(r.sandbox_ids) == 1:  # the edge's answer as it is; a failure as many would get
+            sid = r.sandbox_ids[0]
+            try:
+                info = await self._lookup(tenant, sid)
+                return await self._edge(info.node, "exec", req.data, timeout)
+            except errors.DsecError as exc:
+                return ExecResponse(results=[ExecResult(sandbox_id=sid, exit_code=-1, error=exc)])
         results: dict[str, ExecResult] = {}
         groups: dict[str, list[str]] = defaultdict(list)
         for sid in dict.fromkeys(r.sandbox_ids):

@@ -26,7 +26,10 @@ on the other side as the matching subclass::
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from dsec_kernel.wire import Error
 
 __all__ = [
     "CapacityExceeded",
@@ -46,6 +49,7 @@ __all__ = [
     "UnknownBackend",
     "Unsupported",
     "error_class",
+    "from_wire",
 ]
 
 
@@ -159,3 +163,8 @@ _BY_CODE: dict[str, type[DsecError]] = {
 def error_class(code: str) -> type[DsecError]:
     """The exception class for a wire error code (``Internal`` for codes unknown here)."""
     return _BY_CODE.get(code, Internal)
+
+
+def from_wire(error: Error) -> DsecError:
+    """The exception a wire :class:`~dsec_kernel.wire.Error` stands for."""
+    return error_class(error.code)(error.message, retryable=error.retryable)

@@ -81,7 +81,7 @@ class Leases:
         r = JobCloseRequest.model_validate_json(req.data)
         assert self.api.state is not None
         mine = self._sandboxes(tenant, r.name)
-        destroyed = await self.api.destroy_sandboxes(mine)
+        destroyed = await self.api.destroy_all(mine)
         await self.api.state.jobs.delete(job_key(tenant, r.name))
         return DestroyResponse(destroyed=destroyed)
 

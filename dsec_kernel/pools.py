@@ -114,10 +114,10 @@ class Pools:
         missing = r.count - len(taken)
         if missing:
             self._misses[_key(tenant, r.name)].append((time.monotonic(), missing))
-            made, _ = await self.api.admit_and_create(  # the tenant's quota holds here too
+            made = await self.api.admit_and_create(  # the tenant's quota holds here too
                 tenant, CreateRequest(spec=pool.spec, count=missing), pool=r.name
             )
-            taken += made
+            taken += made.sandboxes
         return AcquireResponse(sandboxes=taken, from_pool=r.count - missing)
 
     async def release(self, req: bus.Request) -> DestroyResponse:
@@ -134,7 +134,7 @@ class Pools:
         results = await asyncio.gather(*(self._reset(i) for i in infos[:room]))
         drop = [i for i, ok in zip(infos, results, strict=False) if not ok] + infos[room:]
         if drop:
-            await self.api.destroy_sandboxes(drop)
+            await self.api.destroy_all(drop)
         return DestroyResponse(destroyed=[i.id for i in drop])
 
     async def close(self, req: bus.Request) -> DestroyResponse:
@@ -145,7 +145,7 @@ class Pools:
         if self.pools is not None:
             self.pools.items.pop(_key(tenant, r.name), None)  # a refill in flight sees it gone
         idle = [info for info, _ in self._idle(tenant, r.name)]
-        return DestroyResponse(destroyed=await self.api.destroy_sandboxes(idle))
+        return DestroyResponse(destroyed=await self.api.destroy_all(idle))
 
     # -- filling -----------------------------------------------------------------------------
 
@@ -172,12 +172,12 @@ class Pools:
 
     async def _fill(self, key: str, pool: PoolInfo, count: int) -> None:
         try:
-            made, _ = await self.api.admit_and_create(  # only into room free now, in quota
+            made = await self.api.admit_and_create(  # only into room free now, in quota
                 pool.tenant, CreateRequest(spec=pool.spec, count=count, wait_s=0),
                 pool=pool.name, in_pool=True,
             )  # fmt: skip
             if self._pool(pool.tenant, pool.name) is None:  # closed meanwhile
-                await self.api.destroy_sandboxes(made)
+                await self.api.destroy_all(made.sandboxes)
         except (errors.CapacityExceeded, errors.QuotaExceeded) as exc:
             log.debug("pool %s of %s not filled now: %s", pool.name, pool.tenant, exc)
         except errors.DsecError as exc:

@@ -20,10 +20,11 @@ async def main() -> None:
         out = await c.fncall("print(6*7)", language="python", timeout=5)
         print("fncall:", out.stdout.decode().strip(), f"in {out.duration_s * 1000:.1f} ms")
 
-        # eight sandboxes, one request; one command in all of them, one request
-        sbs = await c.create(count=8, backend="fncall", ttl=600)
+        # eight sandboxes, one request; one command in all of them, one request. A batch
+        # answers each sandbox: its result, or its error (dsec.check raises the first)
+        sbs = dsec.check(await c.create(count=8, backend="fncall", ttl=600))
         results = await c.exec_many(sbs, "echo hi from $(hostname)", timeout=10)
-        print("exec_many:", [r.stdout.decode().strip() for r in results])
+        print("exec_many:", [r.error or r.stdout.decode().strip() for r in results])
 
         sb = sbs[0]
         await sb.write_file("/tmp/a.txt", b"data")
@@ -55,7 +56,9 @@ async def containers(c: dsec.AsyncClient) -> None:
 
     ensure_layer(open_store(), "base", "busybox", "1", busybox_tree)  # once per store
     env = dsec.Env(base="busybox:1")
-    sbs = await c.create(count=4, backend="container", env=env, limits=dsec.Limits(pids=64))
+    sbs = dsec.check(
+        await c.create(count=4, backend="container", env=env, limits=dsec.Limits(pids=64))
+    )
     sb = sbs[0]
     await sb.exec("mkdir /work && echo v1 > /work/answer.txt")
     snap = await sb.snapshot()
@@ -65,7 +68,7 @@ async def containers(c: dsec.AsyncClient) -> None:
     await sb.restore(snap)
     r = await sb.exec("cat /work/answer.txt; ls /work; pgrep sleep || echo 'no sleep'")
     print("container: restored:", r.stdout.decode().split())
-    forks = await c.create(count=2, from_snapshot=snap)
+    forks = dsec.check(await c.create(count=2, from_snapshot=snap))
     print("container: forks see", [(await f.exec("cat /work/answer.txt")).stdout for f in forks])
     print("container: commands run in the first:", [" ".join(x.argv) for x in await sb.commands()])
     await c.destroy(sbs + forks)

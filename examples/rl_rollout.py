@@ -79,18 +79,19 @@ async def main() -> int:
         env = dsec.Env(base="busybox:1")
         async with c.job("grpo-step-17", priority=5, lease_s=LEASE_S) as job:
             log(f"job {job.name} opened (lease {LEASE_S:g} s, renewed in the background)")
-            sbs = await job.create(
+            sbs = dsec.check(await job.create(
                 count=GROUP, backend="container", env=env,
                 progress=lambda done, total: log(f"created {done}/{total} sandboxes"),
-            )  # fmt: skip
+            ))  # fmt: skip
             for i, sb in enumerate(sbs):
                 await sb.write_file("/work/agent.sh", AGENT)
                 await sb.write_file("/work/prompt", f"{i * 7}\n")
-            await c.exec_many(sbs, "(setsid sh /work/agent.sh > /dev/null 2>&1 &)")
-            await c.exec_many(sbs, "while [ ! -e /work/agent-up ]; do sleep 0.05; done")
+            # a batch answers each sandbox; check raises the first error, if any
+            dsec.check(await c.exec_many(sbs, "(setsid sh /work/agent.sh > /dev/null 2>&1 &)"))
+            dsec.check(await c.exec_many(sbs, "while [ ! -e /work/agent-up ]; do sleep 0.05; done"))
             log(f"step 1: {GROUP} agents started, each holding {HOLD_MB} MB")
 
-            await c.exec_many(sbs, "cp /work/prompt /work/state")
+            dsec.check(await c.exec_many(sbs, "cp /work/prompt /work/state"))
             snaps = [await sb.snapshot() for sb in sbs]
             log(f"step 2: state written, {len(snaps)} snapshots taken")
 
@@ -98,7 +99,7 @@ async def main() -> int:
             for i, sb in enumerate(sbs):
                 op = "+ 1" if i % 2 == 0 else "+ 2"
                 await sb.exec(f"expr $(cat /work/state) {op} > /work/state.new")
-            await c.exec_many(sbs, "mv /work/state.new /work/state")
+            dsec.check(await c.exec_many(sbs, "mv /work/state.new /work/state"))
             log("step 3: actions applied")
 
             node = sbs[0].node
@@ -131,9 +132,9 @@ async def main() -> int:
             up = sum(r.stdout == b"up\n" for r in alive)
             log(f"agents alive after the pause: {up}/{GROUP}")
 
-            await c.exec_many(sbs, "expr $(cat /work/state) \\* 2 > /work/state.new")
-            await c.exec_many(sbs, "mv /work/state.new /work/state")
-            final = await c.exec_many(sbs, "cat /work/state")
+            dsec.check(await c.exec_many(sbs, "expr $(cat /work/state) \\* 2 > /work/state.new"))
+            dsec.check(await c.exec_many(sbs, "mv /work/state.new /work/state"))
+            final = dsec.check(await c.exec_many(sbs, "cat /work/state"))
             log("step 4: episodes finished")
 
             rewards = [

@@ -111,13 +111,13 @@ async def main() -> None:
             ms=round((time.perf_counter() - t) * 1000, 1))  # fmt: skip
 
         t = time.perf_counter()
-        forks = await c.create(count=len(CANDIDATES), from_snapshot=snap)
+        forks = dsec.check(await c.create(count=len(CANDIDATES), from_snapshot=snap))
         say("fork", sandboxes=len(forks), ms=round((time.perf_counter() - t) * 1000, 1))
         for fork, fix in zip(forks, CANDIDATES, strict=True):
             await fork.write_file(
                 SRC, broken.replace("if len(chunk) > n:", f"if len(chunk) {fix}:", 1)
             )
-        results = await c.exec_many(forks, TESTS, **RUN)
+        results = dsec.check(await c.exec_many(forks, TESTS, **RUN))
         for fork, fix, r in zip(forks, CANDIDATES, results, strict=True):
             say("variant", sandbox=fork.id, fix=f"len(chunk) {fix}", **summary(r))
 

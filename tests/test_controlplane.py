@@ -187,9 +187,8 @@ async def test_tenants_see_and_touch_only_their_own(platform):
     assert await bob.list() == []
     with pytest.raises(errors.NotFound):
         await bob.get(sbs[0].id)
-    assert await bob.destroy(sbs) == []
-    with pytest.raises(errors.NotFound):
-        await bob.exec_many(sbs, "true")
+    assert [(r.found, r.error) for r in await bob.destroy(sbs)] == [(False, None)] * 2
+    assert {type(r.error) for r in await bob.exec_many(sbs, "true")} == {errors.NotFound}
     assert len(await alice.list(labels={"job": "a"})) == 2
     assert await alice.list(labels={"job": "b"}) == []
     with pytest.raises(errors.Unauthenticated):  # NATS has no login for an unknown token
@@ -274,17 +273,44 @@ class Flaky(Backend):
 
 
 async def test_a_failed_create_leaves_nothing_behind(platform):
+    """A create of all or none (the wire's default) that a node fails in part leaves none;
+    the SDK's create keeps what was made and reports each sandbox it could not make, of
+    which nothing is left either; it raises only when it made none."""
     flaky = Flaky(fail_at=7)
     await platform.add_edge("e1", backends={"noop": flaky})
     c = await platform.tenant("alice")
+    whole = CreateRequest(spec=SandboxSpec(backend="noop"), count=10)
     with pytest.raises(errors.InvalidArgument, match="cannot make"):
-        await c.create(count=10, backend="noop")
+        await c._call("create", whole, CreateResponse)
     assert flaky.ids == set() and await c.list() == []
     state = platform.apis[0].state
     assert await state.scan_sandboxes() == {}
-    with pytest.raises(errors.CapacityExceeded) as exc:
-        await c.create(count=5000, backend="noop", wait=0)
-    assert exc.value.retryable and flaky.ids == set()
+
+    flaky.made, flaky.fail_at = 0, 3
+    made = await c.create(count=10, backend="noop")
+    ok = [sb for sb in made if sb.error is None]
+    assert len(ok) == 9 and isinstance(made[9], dsec.NotCreated), made
+    assert isinstance(made[9].error, errors.InvalidArgument) and "cannot make" in str(made[9].error)
+    assert flaky.ids == {sb.id for sb in ok} == {sb.id for sb in await c.list()}
+    assert len(await state.scan_sandboxes()) == 9
+    with pytest.raises(
+        errors.InvalidArgument, match=r"node e1: this node cannot make that sandbox$"
+    ):
+        dsec.check(made)
+    with pytest.raises(errors.InvalidArgument, match=r"sandboxes\[9\]"):
+        await c.exec_many(made, "true")
+    assert [r.error for r in await c.destroy(ok)] == [None] * 9 and flaky.ids == set()
+
+    made = await c.create(count=1500, backend="noop", wait=0)  # room for 1,000 at most
+    ok = [sb for sb in made if sb.error is None]
+    assert 500 <= len(ok) <= 1000 and len(made) == 1500, len(ok)
+    assert all(isinstance(sb.error, errors.CapacityExceeded) for sb in made[len(ok) :])
+    assert made[-1].error.retryable and flaky.ids == {sb.id for sb in ok}
+    with pytest.raises(errors.CapacityExceeded) as exc:  # none could be made: raised
+        await c.create(count=1000, backend="noop", wait=0)
+    assert exc.value.retryable
+    await c.destroy(ok)
+    assert flaky.ids == set()
     await c.close()
 
 
@@ -374,8 +400,8 @@ async def test_a_silent_node_is_marked_down_and_its_sandboxes_lost(platform):
     assert nodes
     lost = await c.get(on_e2[0].id)
     assert lost.info.state == "lost"
-    with pytest.raises(errors.SandboxLost):
-        await c.exec_many([lost], "true")
+    (result,) = await c.exec_many([lost], "true")
+    assert isinstance(result.error, errors.SandboxLost), result
     fresh = await c.create(count=4, backend="noop")
     assert {sb.node for sb in fresh} == {"e1"}
     destroyed = await c.destroy(sbs + fresh)
@@ -600,8 +626,12 @@ async def test_quotas_limit_sandboxes_cpus_and_memory(platform):
     c = await platform.tenant("alice")
     await until(lambda: _has_quota(platform))
     three = await c.create(count=3, backend="noop")  # 3 CPUs, 6 GiB by default
-    with pytest.raises(errors.QuotaExceeded, match="CPUs"):
-        await c.create(count=2, backend="noop")
+    fourth, over = await c.create(count=2, backend="noop")  # room for one CPU more
+    assert fourth.error is None and isinstance(over.error, errors.QuotaExceeded), over
+    assert "CPUs" in over.error.message and len(await c.list()) == 4
+    with pytest.raises(errors.QuotaExceeded, match="CPUs"):  # room for none: raised
+        await c.create(count=1, backend="noop")
+    await c.destroy([fourth])
     one = await c.create(backend="noop", limits=Limits(cpus=0.5, memory_mb=512))
     with pytest.raises(errors.QuotaExceeded, match="memory"):
         await c.create(backend="noop", limits=Limits(cpus=0.5, memory_mb=4096))

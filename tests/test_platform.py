@@ -77,8 +77,8 @@ async def test_sdk_end_to_end(cluster):
             await sb.write_file("/etc/passwd", b"x")
         with pytest.raises(errors.NotFound):
             await c.get("sb-0000000000000000")
-        mixed = await c.exec_many([sbs[1], sbs[2]], "exit 3", return_exceptions=True)
-        assert [r.exit_code for r in mixed] == [3, 3]
+        ran = await c.exec_many([sbs[1], sbs[2]], "exit 3")
+        assert [(r.exit_code, r.error) for r in ran] == [(3, None), (3, None)]
         async with sbs[1]:
             pass  # the context manager destroys it
         assert sbs[1].id not in {s.id for s in await c.list()}

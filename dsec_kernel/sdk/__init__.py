@@ -3,16 +3,21 @@
 from dsec_kernel.sdk.client import AsyncClient, Sandbox, Snapshot
 from dsec_kernel.sdk.job import Job
 from dsec_kernel.sdk.pool import Pool
+from dsec_kernel.sdk.results import BatchEntry, DestroyReport, NotCreated, check
 from dsec_kernel.sdk.sync import Client, SyncJob, SyncPool, SyncSandbox
 
 __all__ = [
     "AsyncClient",
+    "BatchEntry",
     "Client",
+    "DestroyReport",
     "Job",
+    "NotCreated",
     "Pool",
     "Sandbox",
     "Snapshot",
     "SyncJob",
     "SyncPool",
     "SyncSandbox",
+    "check",
 ]

@@ -6,7 +6,7 @@ import asyncio
 import hashlib
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 
 from nats.aio.client import Client as NATS
@@ -16,6 +16,7 @@ from dsec_kernel import bus, errors
 from dsec_kernel.connection import resolve
 from dsec_kernel.sdk.job import Job
 from dsec_kernel.sdk.pool import Pool
+from dsec_kernel.sdk.results import BatchEntry, DestroyReport, NotCreated
 from dsec_kernel.wire import (
     DEFAULT_MAX_OUTPUT,
     MAX_BATCH,
@@ -28,7 +29,6 @@ from dsec_kernel.wire import (
     ExecRequest,
     ExecResponse,
     ExecResult,
-    Failure,
     FncallRequest,
     FsDiff,
     FsDiffRequest,
@@ -67,6 +67,9 @@ from dsec_kernel.wire import (
 __all__ = ["AsyncClient", "Sandbox", "Snapshot"]
 
 M = TypeVar("M", bound=BaseModel)
+E = TypeVar("E", bound=BatchEntry)
+T = TypeVar("T")
+R = TypeVar("R")
 #: how long a request is sent again while nothing serves the API (an apiserver restarting)
 NO_RESPONDERS_WAIT_S = 1.0
 #: seconds the client waits beyond a command's own timeout
@@ -88,12 +91,45 @@ def _model(cls: type[M], **fields: object) -> M:
         raise errors.InvalidArgument(bus.validation_message(exc, _ARGUMENT_NAMES)) from None
 
 
-def _raise_for(result: ExecResult) -> ExecResult:
-    if result.error is not None:
-        raise errors.error_class(result.error.code)(
-            result.error.message, retryable=result.error.retryable
-        )
-    return result
+def _raise_for(entry: E) -> E:
+    """``entry``, or its error raised: a call on one sandbox raises what a batch reports."""
+    if entry.error is not None:
+        raise entry.error
+    return entry
+
+
+def _ids(sandboxes: Iterable[Sandbox | str]) -> list[str]:
+    """The ids of handles or ids; anything else (an entry of a create that failed) is
+    refused, naming its place."""
+    ids: list[str] = []
+    for i, s in enumerate(sandboxes):
+        if isinstance(s, Sandbox):
+            ids.append(s.id)
+        elif isinstance(s, str):
+            ids.append(s)
+        else:
+            raise errors.InvalidArgument(
+                f"sandboxes[{i}]: expected a sandbox or its id, not {s!r}; keep only the "
+                "entries of create whose error is None"
+            )
+    return ids
+
+
+def _parts(ids: list[str]) -> list[list[str]]:
+    """``ids`` a request's worth at a time (at most :data:`MAX_BATCH`)."""
+    return [ids[i : i + MAX_BATCH] for i in range(0, len(ids), MAX_BATCH)]
+
+
+async def _each(reqs: Sequence[T], send: Callable[[T], Awaitable[R]]) -> list[R | errors.DsecError]:
+    """``send(req)`` for every request at once: each one's answer, or the DsecError it
+    raised — raised instead if every request raised one (the call as a whole failed)."""
+    outs = await asyncio.gather(*(send(r) for r in reqs), return_exceptions=True)
+    for out in outs:
+        if isinstance(out, BaseException) and not isinstance(out, errors.DsecError):
+            raise out
+    if outs and all(isinstance(out, errors.DsecError) for out in outs):
+        raise outs[0]
+    return outs  # type: ignore[return-value]
 
 
 def replay_plan(log: list[CommandRecord]) -> tuple[str | None, list[CommandRecord]]:
@@ -133,6 +169,10 @@ class Snapshot:
 
 class Sandbox:
     """A handle on one sandbox. ``async with`` destroys it on exit."""
+
+    #: always None: as an entry of ``create``'s answer, a sandbox that was made (see
+    #: :mod:`dsec_kernel.sdk.results`)
+    error: errors.DsecError | None = None
 
     def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
         self._client = client
@@ -186,7 +226,7 @@ class Sandbox:
             max_output_bytes=max_output_bytes,
             request_id=request_id,
         )
-        return result
+        return _raise_for(result)
 
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> int:
         """Create or replace the file at ``path``; returns its size."""
@@ -209,18 +249,16 @@ class Sandbox:
 
     async def destroy(self) -> None:
         """Destroy the sandbox. Idempotent."""
-        await self._client.destroy([self])
+        _raise_for((await self._client.destroy([self]))[0])
 
     async def pause(self) -> PauseReport:
         """Freeze every process and reclaim the sandbox's memory; files and processes stay.
         Commands sent meanwhile raise SandboxPaused until :meth:`resume`. Idempotent."""
-        (report,) = await self._client.pause([self])
-        return report
+        return _raise_for((await self._client.pause([self]))[0])
 
     async def resume(self) -> PauseReport:
         """Carry on from where :meth:`pause` stopped. Idempotent."""
-        (report,) = await self._client.resume([self])
-        return report
+        return _raise_for((await self._client.resume([self]))[0])
 
     async def snapshot(self, *, keep: bool = False) -> Snapshot:
         """Record the sandbox's files now (incrementally; processes keep running).
@@ -271,8 +309,10 @@ class AsyncClient:
     replies in its own inbox only.
 
     ``async with AsyncClient() as c:`` connects and closes (Unauthenticated if NATS does not
-    know the token). Every method raises a :class:`~dsec_kernel.errors.DsecError` subclass
-    on failure.
+    know the token). Batch calls (``create`` with a count, ``exec_many``, ``pause``,
+    ``resume``, ``destroy``) answer one entry per sandbox, each with its own ``error``
+    (:mod:`dsec_kernel.sdk.results`); they and every other method raise a
+    :class:`~dsec_kernel.errors.DsecError` subclass when the request as a whole fails.
     """
 
     def __init__(
@@ -377,20 +417,24 @@ class AsyncClient:
         concurrency: int = 4,
         job: str | None = None,
         wait: float = 30.0,
-    ) -> list[Sandbox]:
+    ) -> list[Sandbox | NotCreated]:
         """Create ``count`` sandboxes alike, in batches of ``batch_size`` (one request each).
 
         ``backend`` defaults to the snapshot's with ``from_snapshot`` (a fork: each starts with
-        the snapshot's files), else ``fncall``. ``env`` names the layers to compose
-        (container and VM backends); ``network`` is ``none`` or ``egress``. All are created
-        or none: if a batch fails the others are destroyed and its error is raised. ``ttl``:
-        seconds until the platform destroys them; ``idle_ttl``: seconds without a command
-        until it pauses one (the next command resumes it). ``progress(done, total)`` is
-        called as batches complete. ``job``: the job they belong to (see :meth:`job`).
+        the snapshot's files), else ``fncall`` (stateless: files do not survive between
+        commands). ``env`` names the layers to compose (container and VM backends);
+        ``network`` is ``none`` or ``egress``. ``ttl``: seconds until the platform destroys
+        them; ``idle_ttl``: seconds without a command until it pauses one (the next command
+        resumes it). ``progress(done, total)`` is called as batches complete. ``job``: the
+        job they belong to (see :meth:`job`).
 
-        When the cluster is full, each batch waits in the admission queue for up to
-        ``wait`` seconds (higher-priority jobs first), then raises a retryable
-        CapacityExceeded; QueueFull if your queue is full, QuotaExceeded past your quota.
+        Returns ``count`` entries: the sandboxes made, then a :class:`NotCreated` (with its
+        ``error``) for each that could not be — past your quota (QuotaExceeded), in a batch
+        that found no room in time (CapacityExceeded, retryable) or whose queue was full
+        (QueueFull), refused by its node... Nothing of those is left behind. Raises only if
+        none could be made (then nothing was). For all or none, destroy the made ones when
+        any entry has an error. When the cluster is full, each batch waits in the admission
+        queue for up to ``wait`` seconds (higher-priority jobs first).
         """
         if count < 1:
             raise errors.InvalidArgument(f"count must be at least 1, not {count}")
@@ -413,26 +457,29 @@ class AsyncClient:
         slots = asyncio.Semaphore(concurrency)
         done = 0
 
-        async def one(n: int) -> list[Sandbox]:
+        async def one(n: int) -> CreateResponse:
             nonlocal done
-            async with slots:
-                req = _model(
-                    CreateRequest, spec=spec, count=n, wait_s=wait, request_id=uuid.uuid4().hex
-                )
-                resp = await self._call("create", req, CreateResponse, self.timeout * 2 + wait)
-            done += n
-            if progress is not None:
-                progress(done, count)
-            return [Sandbox(self, info) for info in resp.sandboxes]
+            req = _model(
+                CreateRequest, spec=spec, count=n, wait_s=wait, partial=True,
+                request_id=uuid.uuid4().hex,
+            )  # fmt: skip
+            try:
+                async with slots:
+                    return await self._call("create", req, CreateResponse, self.timeout * 2 + wait)
+            finally:
+                done += n
+                if progress is not None:
+                    progress(done, count)
 
-        results = await asyncio.gather(*(one(n) for n in batches), return_exceptions=True)
-        made = [sb for r in results if isinstance(r, list) for sb in r]
-        failure = next((r for r in results if isinstance(r, BaseException)), None)
-        if failure is not None:
-            if made:
-                await self.destroy(made)
-            raise failure
-        return made
+        made: list[Sandbox | NotCreated] = []
+        missing: list[Sandbox | NotCreated] = []
+        for n, out in zip(batches, await _each(batches, one), strict=True):
+            if isinstance(out, errors.DsecError):
+                missing += [NotCreated(error=out) for _ in range(n)]
+                continue
+            made += [Sandbox(self, info) for info in out.sandboxes]
+            missing += [NotCreated(error=f.error) for f in out.failed for _ in range(f.count)]
+        return made + missing
 
     async def get(self, sandbox_id: str) -> Sandbox:
         """A handle on an existing sandbox of yours (NotFound otherwise)."""
@@ -451,45 +498,57 @@ class AsyncClient:
                 return out
             after = resp.next
 
-    async def destroy(self, sandboxes: Sandbox | str | Iterable[Sandbox | str]) -> list[str]:
-        """Destroy sandboxes (handles or ids). Idempotent; returns the ids destroyed."""
-        items = [sandboxes] if isinstance(sandboxes, Sandbox | str) else list(sandboxes)
-        ids = [s.id if isinstance(s, Sandbox) else s for s in items]
-        destroyed: list[str] = []
-        for i in range(0, len(ids), MAX_BATCH):
-            resp = await self._call(
-                "destroy", _model(DestroyRequest, ids=ids[i : i + MAX_BATCH]), DestroyResponse
-            )
-            destroyed += resp.destroyed
-        return destroyed
+    async def destroy(
+        self, sandboxes: Sandbox | str | Iterable[Sandbox | str]
+    ) -> list[DestroyReport]:
+        """Destroy sandboxes (handles or ids). Idempotent: one :class:`DestroyReport` per
+        sandbox, in order — destroyed, not found (nothing to do), or its ``error`` (still
+        there: destroy it again)."""
+        items = [sandboxes] if isinstance(sandboxes, Sandbox | str) else sandboxes
+        reqs = [_model(DestroyRequest, ids=part) for part in _parts(_ids(items))]
+
+        async def send(req: DestroyRequest) -> DestroyResponse:
+            return await self._call("destroy", req, DestroyResponse)
+
+        reports: list[DestroyReport] = []
+        for req, out in zip(reqs, await _each(reqs, send), strict=True):
+            if isinstance(out, errors.DsecError):
+                reports += [DestroyReport(sandbox_id=i, error=out) for i in req.ids]
+                continue
+            gone, failed = set(out.not_found), {f.id: f.error for f in out.failed}
+            reports += [
+                DestroyReport(sandbox_id=i, found=i not in gone, error=failed.get(i))
+                for i in req.ids
+            ]
+        return reports
 
     async def pause(self, sandboxes: Iterable[Sandbox | str]) -> list[PauseReport]:
-        """Pause many sandboxes (see :meth:`Sandbox.pause`); raises the first failure after
-        trying them all."""
+        """Pause many sandboxes (see :meth:`Sandbox.pause`): one report per sandbox, in
+        order, each what was done or its ``error``."""
         return await self._power("pause", PauseRequest, sandboxes)
 
     async def resume(self, sandboxes: Iterable[Sandbox | str]) -> list[PauseReport]:
-        """Resume many sandboxes (see :meth:`Sandbox.resume`)."""
+        """Resume many sandboxes (see :meth:`Sandbox.resume`): one report per sandbox, in
+        order, each what was done or its ``error``."""
         return await self._power("resume", ResumeRequest, sandboxes)
 
     async def _power(
         self, op: str, model: type[PauseRequest | ResumeRequest], sandboxes: Iterable[Sandbox | str]
     ) -> list[PauseReport]:
-        ids = [s.id if isinstance(s, Sandbox) else s for s in sandboxes]
-        reports: dict[str, PauseReport] = {}
-        failed: list[Failure] = []
-        for i in range(0, len(ids), MAX_BATCH):
-            resp = await self._call(op, _model(model, ids=ids[i : i + MAX_BATCH]), PauseResponse)
-            reports.update((r.sandbox_id, r) for r in resp.done)
-            failed += resp.failed
-        if failed:
-            e = failed[0].error
-            raise errors.error_class(e.code)(
-                f"{failed[0].id}: {e.message}"
-                + (f" (and {len(failed) - 1} more)" if failed[1:] else ""),
-                retryable=e.retryable,
-            )
-        return [reports[i] for i in ids]
+        reqs = [_model(model, ids=part) for part in _parts(_ids(sandboxes))]
+
+        async def send(req: PauseRequest | ResumeRequest) -> PauseResponse:
+            return await self._call(op, req, PauseResponse)
+
+        reports: list[PauseReport] = []
+        for req, out in zip(reqs, await _each(reqs, send), strict=True):
+            if isinstance(out, errors.DsecError):
+                reports += [PauseReport(sandbox_id=i, error=out) for i in req.ids]
+                continue
+            by_id = {r.sandbox_id: r for r in out.done}
+            by_id |= {f.id: PauseReport(sandbox_id=f.id, error=f.error) for f in out.failed}
+            reports += [by_id[i] for i in req.ids]
+        return reports
 
     async def trajectory(self, sandbox_id: str) -> list[CommandRecord]:
         """A sandbox's trajectory by id (see :meth:`Sandbox.trajectory`); JSON lines of it:
@@ -585,7 +644,7 @@ class AsyncClient:
 
     async def exec_many(
         self,
-        sandboxes: Sequence[Sandbox],
+        sandboxes: Sequence[Sandbox | str],
         command: str | Sequence[str],
         *,
         timeout: float = 60.0,
@@ -594,14 +653,14 @@ class AsyncClient:
         stdin: bytes | str = b"",
         user: str | None = None,
         max_output_bytes: int = DEFAULT_MAX_OUTPUT,
-        return_exceptions: bool = False,
         request_id: str | None = None,
-    ) -> list[ExecResult | errors.DsecError]:
+    ) -> list[ExecResult]:
         """Run one command in many sandboxes at once (one request per 1,000 sandboxes).
 
-        Results come in the order of ``sandboxes``. Like :func:`asyncio.gather`: a sandbox the
-        command could not run in raises its error, or with ``return_exceptions`` puts the
-        error in its place in the list. ``request_id``: see :meth:`Sandbox.exec`.
+        One result per sandbox, in the order of ``sandboxes`` (handles or ids): the
+        command's, or with ``error`` set (and the rest empty) why it could not run there —
+        the sandbox lost, destroyed, paused... (:mod:`dsec_kernel.sdk.results`; ``check``
+        raises the first). ``request_id``: see :meth:`Sandbox.exec`.
         """
         base = dict(
             request_id=request_id or uuid.uuid4().hex,
@@ -613,11 +672,7 @@ class AsyncClient:
             stdin=stdin.encode() if isinstance(stdin, str) else stdin,
             max_output_bytes=max_output_bytes,
         )
-        ids = [sb.id for sb in sandboxes]
-        reqs = [
-            _model(ExecRequest, sandbox_ids=ids[i : i + MAX_BATCH], **base)
-            for i in range(0, len(ids), MAX_BATCH)
-        ]
+        reqs = [_model(ExecRequest, sandbox_ids=part, **base) for part in _parts(_ids(sandboxes))]
 
         async def send(req: ExecRequest) -> ExecResponse:
             try:
@@ -625,20 +680,14 @@ class AsyncClient:
             except errors.DeadlineExceeded:  # no answer in time: it may have been lost
                 return await self._call("exec", req, ExecResponse, timeout + _MARGIN_S)
 
-        resps = await asyncio.gather(*(send(req) for req in reqs))
-        out: list[ExecResult | errors.DsecError] = []
-        for resp in resps:
-            for r in resp.results:
-                if r.error is None:
-                    out.append(r)
-                    continue
-                try:
-                    _raise_for(r)
-                except errors.DsecError as exc:
-                    if not return_exceptions:
-                        raise
-                    out.append(exc)
-        return out
+        results: list[ExecResult] = []
+        for req, out in zip(reqs, await _each(reqs, send), strict=True):
+            if isinstance(out, errors.DsecError):
+                ids = req.sandbox_ids
+                results += [ExecResult(sandbox_id=i, exit_code=-1, error=out) for i in ids]
+            else:
+                results += out.results
+        return results
 
     async def fncall(
         self,

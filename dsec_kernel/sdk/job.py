@@ -11,6 +11,7 @@ from dsec_kernel.wire import DestroyResponse, JobCloseRequest, JobInfo, JobRenew
 
 if TYPE_CHECKING:
     from dsec_kernel.sdk.client import AsyncClient, Sandbox
+    from dsec_kernel.sdk.results import NotCreated
 
 __all__ = ["Job"]
 
@@ -41,7 +42,7 @@ class Job:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def create(self, count: int = 1, **kwargs: Any) -> list[Sandbox]:
+    async def create(self, count: int = 1, **kwargs: Any) -> list[Sandbox | NotCreated]:
         """:meth:`AsyncClient.create` for this job: the sandboxes share its lease."""
         return await self._client.create(count, job=self.name, **kwargs)
 

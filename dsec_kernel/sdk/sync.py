@@ -72,6 +72,7 @@ class SyncSandbox(_Handle):
     backend = property(lambda self: self._target.backend)
     node = property(lambda self: self._target.node)
     info = property(lambda self: self._target.info)
+    error = property(lambda self: self._target.error)
 
     def __repr__(self) -> str:
         return repr(self._target)

@@ -10,7 +10,15 @@ from typing import Annotated, Any, Union
 
 from pydantic import Field, TypeAdapter
 
-from dsec_kernel.wire.base import NAME_PATTERN, SANDBOX_ID_PATTERN, Error, Message, Name, SandboxId
+from dsec_kernel.wire.base import (
+    NAME_PATTERN,
+    SANDBOX_ID_PATTERN,
+    Error,
+    Message,
+    Name,
+    SandboxId,
+    TypedError,
+)
 from dsec_kernel.wire.exec import (
     DEFAULT_MAX_OUTPUT,
     MAX_FILE_BYTES,
@@ -56,6 +64,7 @@ from dsec_kernel.wire.pool import (
 from dsec_kernel.wire.sandbox import (
     MAX_BATCH,
     MAX_TTL_S,
+    CreateFailure,
     CreateRequest,
     CreateResponse,
     DestroyRequest,
@@ -171,6 +180,7 @@ __all__ = [
     "BackendInfo",
     "Capabilities",
     "CommandRecord",
+    "CreateFailure",
     "CreateRequest",
     "CreateResponse",
     "DestroyRequest",
@@ -224,6 +234,7 @@ __all__ = [
     "SnapshotInfo",
     "SnapshotRequest",
     "StatusRequest",
+    "TypedError",
     "WriteFileRequest",
     "WriteFileResponse",
     "fit_results",

@@ -7,11 +7,21 @@ Bytes travel as base64 strings in JSON.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator
 
-__all__ = ["NAME_PATTERN", "SANDBOX_ID_PATTERN", "Error", "Message", "Name", "SandboxId"]
+from dsec_kernel import errors
+
+__all__ = [
+    "NAME_PATTERN",
+    "SANDBOX_ID_PATTERN",
+    "Error",
+    "Message",
+    "Name",
+    "SandboxId",
+    "TypedError",
+]
 
 #: Sandbox ids are ``sb-`` and 16 lowercase hex digits; also safe as a KV key and a path element.
 SANDBOX_ID_PATTERN = r"^sb-[0-9a-f]{16}$"
@@ -46,3 +56,18 @@ class Error(Message):
     code: str = Field(description="machine-readable error code, e.g. not_found")
     message: str = Field(description="what went wrong and what to do next")
     retryable: bool = False
+
+
+def _typed(value: Any) -> errors.DsecError:
+    if isinstance(value, errors.DsecError):
+        return value
+    return errors.from_wire(Error.model_validate(value))
+
+
+#: A field holding an error: the :class:`Error` shape on the wire, the matching
+#: :class:`~dsec_kernel.errors.DsecError` instance in Python (given either).
+TypedError = Annotated[
+    errors.DsecError,
+    PlainValidator(_typed, json_schema_input_type=Error),
+    PlainSerializer(lambda e: e.to_wire(), return_type=Error),
+]

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from dsec_kernel.wire.base import SANDBOX_ID_PATTERN, Error, Message, SandboxId
+from dsec_kernel.wire.base import SANDBOX_ID_PATTERN, Message, SandboxId, TypedError
 from dsec_kernel.wire.sandbox import MAX_BATCH, Limits
 
 __all__ = [
@@ -139,8 +139,8 @@ class ExecRequest(Message):
 class ExecResult(Message):
     """A finished command. A command killed at its timeout has ``timed_out`` and exit_code -9.
 
-    ``error`` is set (and the rest empty) only inside a batch, for a sandbox the command could
-    not run in; single calls raise instead.
+    ``error`` is set (and the rest empty) for a sandbox the command could not run in: a
+    batch's entry for it (``exec_many``) carries it, ``Sandbox.exec`` raises it.
     """
 
     type: Literal["io.dsec.exec.v1.exec_result"] = "io.dsec.exec.v1.exec_result"
@@ -151,7 +151,7 @@ class ExecResult(Message):
     duration_s: float = 0.0
     timed_out: bool = False
     truncated: bool = Field(False, description="output beyond max_output_bytes was discarded")
-    error: Error | None = None
+    error: TypedError | None = Field(None, description="why the command could not run there")
 
 
 class ExecResponse(Message):

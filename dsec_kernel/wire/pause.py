@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec_kernel.wire.base import Message, SandboxId
+from dsec_kernel.wire.base import Message, SandboxId, TypedError
 from dsec_kernel.wire.sandbox import MAX_BATCH, Failure
 
 __all__ = ["PAUSE_REASONS", "PauseReport", "PauseRequest", "PauseResponse", "ResumeRequest"]
@@ -20,16 +20,19 @@ PauseReason = Literal["requested", "lease", "idle", "priority"]
 
 
 class PauseReport(BaseModel):
-    """What one pause or resume did (a backend's answer, passed on to the caller)."""
+    """What one pause or resume did (a backend's answer, passed on to the caller), or, with
+    ``error`` set and the rest empty, why it could not be done (a batch's entry for that
+    sandbox; ``Sandbox.pause`` raises it)."""
 
     model_config = ConfigDict(extra="ignore")
 
     sandbox_id: SandboxId
-    state: str = Field(description="paused or ready")
+    state: str = Field("", description="paused or ready")
     seconds: float = Field(0.0, description="time the backend took")
     memory_before_bytes: int = Field(0, description="the sandbox's memory charge before")
     memory_after_bytes: int = Field(0, description="its memory charge after (RAM only)")
     swapped_bytes: int = Field(0, description="of it, moved to compressed swap")
+    error: TypedError | None = Field(None, description="why it could not be done")
 
 
 class PauseRequest(Message):

@@ -11,6 +11,7 @@ from dsec_kernel.wire.base import Error, Message, Name, SandboxId
 __all__ = [
     "MAX_BATCH",
     "MAX_TTL_S",
+    "CreateFailure",
     "CreateRequest",
     "CreateResponse",
     "DestroyRequest",
@@ -145,7 +146,9 @@ class Failure(BaseModel):
 
 
 class CreateRequest(Message):
-    """Create ``count`` sandboxes alike. All are created, or none is left behind.
+    """Create ``count`` sandboxes alike: all of them, or none (an error); with ``partial``,
+    those that can be made, the others reported in ``failed``. Either way a sandbox that
+    could not be made leaves nothing behind.
 
     If the cluster has no room now, the request waits in the admission queue (in order of
     its job's priority, then arrival) for up to ``wait_s``; then it fails with a retryable
@@ -161,11 +164,29 @@ class CreateRequest(Message):
         pattern=r"^[A-Za-z0-9_-]{1,64}$",
         description="the caller's id for this create: sent again, the same sandboxes come back",
     )
+    partial: bool = Field(
+        False,
+        description="keep the sandboxes that could be made (as many as the quota allows, and "
+        "those the nodes made) and report the rest in the response's failed; an error only "
+        "if none could be made",
+    )
+
+
+class CreateFailure(BaseModel):
+    """``count`` sandboxes of a partial create that were not made, and the error they met."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    count: int = Field(ge=1)
+    error: Error
 
 
 class CreateResponse(Message):
     type: Literal["io.dsec.sandbox.v1.create_response"] = "io.dsec.sandbox.v1.create_response"
     sandboxes: list[SandboxInfo]
+    failed: list[CreateFailure] = Field(
+        default_factory=list, description="of a partial create: the sandboxes not made"
+    )
     queued_s: float = Field(0.0, description="time spent in the admission queue")
     queue_position: int = Field(0, description="place in the queue on arrival (0: none)")
 
@@ -209,7 +230,9 @@ class ListResponse(Message):
 
 
 class DestroyRequest(Message):
-    """Destroy sandboxes. Idempotent: ids already gone are reported, not an error."""
+    """Destroy sandboxes. Idempotent: ids already gone are reported in ``not_found``, not as
+    an error; those whose node could not destroy them now, in ``failed`` (their records
+    stay: destroy them again)."""
 
     type: Literal["io.dsec.sandbox.v1.destroy_request"] = "io.dsec.sandbox.v1.destroy_request"
     ids: list[SandboxId] = Field(max_length=MAX_BATCH)
@@ -219,6 +242,7 @@ class DestroyResponse(Message):
     type: Literal["io.dsec.sandbox.v1.destroy_response"] = "io.dsec.sandbox.v1.destroy_response"
     destroyed: list[str] = Field(default_factory=list)
     not_found: list[str] = Field(default_factory=list)
+    failed: list[Failure] = Field(default_factory=list)
 
 
 class EdgeSandbox(BaseModel):
