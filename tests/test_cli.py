@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from dsec_backend_fncall.backend import FncallBackend
@@ -34,11 +35,12 @@ def platform(tmp_path_factory):
         yield cluster
 
 
-def dsec_cli(platform, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "200"}
+def dsec_cli(platform, *args: str, env: dict[str, str] | None = None):
+    """``dsec ARGS`` as the platform's default tenant (``env``: settings that override)."""
+    full = {**os.environ, "COLUMNS": "200"}
     if platform is not None:
-        env |= {"DSEC_URL": platform.conn.url, "DSEC_TOKEN": platform.conn.token}
-    return subprocess.run([sys.executable, "-m", "dsec_kernel.cli", *args], env=env,
+        full |= {"DSEC_URL": platform.conn.url, "DSEC_TOKEN": platform.conn.token}
+    return subprocess.run([sys.executable, "-m", "dsec_kernel.cli", *args], env=full | (env or {}),
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
@@ -154,3 +156,71 @@ def test_a_trajectory_cannot_drive_the_readers_terminal(platform):
     assert "printf" in shown and not any(ch in shown for ch in "\x1b\x07\x9b\u202e"), shown
     assert "\\u001b]0;owned\\u0007\\u009b2J\\u202eb" in shown, shown
     assert dsec_cli(platform, "destroy", sid).returncode == 0
+
+
+@pytest.mark.skipif(bool(REASON), reason=f"fncall cannot run here: {REASON}")
+def test_create_says_fncall_sandboxes_keep_no_files(platform):
+    """Where a newcomer meets fncall: ``dsec create`` says on stderr that its sandboxes keep
+    no files between commands (not in --json output)."""
+    note = "note: fncall sandboxes are stateless: files do not survive between commands"
+    made = dsec_cli(platform, "create", "--backend", "fncall")
+    assert made.returncode == 0 and note in made.stderr, made.stderr
+    (sid,) = made.stdout.split()
+    as_json = dsec_cli(platform, "create", "--json")  # fncall by default
+    assert as_json.returncode == 0 and "note:" not in as_json.stderr, as_json.stderr
+    assert dsec_cli(platform, "destroy", sid, json.loads(as_json.stdout)["id"]).returncode == 0
+
+
+@pytest.mark.skipif(bool(REASON), reason=f"fncall cannot run here: {REASON}")
+def test_batches_print_each_failure_and_exit_with_its_kind(platform):
+    """pause, resume, destroy, exec and create of several sandboxes: the done ones as usual,
+    each failed one on a line of its own (an object with its error in --json), the status
+    of the first failure's kind."""
+    ok, gone = dsec_cli(platform, "create", "--count", "2").stdout.split()
+    assert dsec_cli(platform, "destroy", gone).stdout == "destroyed 1\n"
+    paused = dsec_cli(platform, "pause", ok, gone)  # fncall cannot pause; the other is gone
+    assert paused.returncode == exitcodes.BY_CODE["unsupported"], paused.stderr
+    lines = paused.stderr.splitlines()
+    assert lines[0].startswith(f"dsec: {ok}: [unsupported] ") and len(lines) == 2, lines
+    assert lines[1].startswith(f"dsec: {gone}: [not_found] "), lines
+    resumed = dsec_cli(platform, "resume", ok, gone)  # (a sandbox not paused: nothing to do)
+    assert resumed.returncode == exitcodes.BY_CODE["not_found"], resumed.stderr
+    assert resumed.stdout.startswith(f"{ok} ready in ") and resumed.stderr.startswith(
+        f"dsec: {gone}: [not_found] "
+    )
+    rows = [
+        json.loads(x) for x in dsec_cli(platform, "pause", ok, gone, "--json").stdout.splitlines()
+    ]
+    assert [(x["sandbox_id"], x["error"]["code"]) for x in rows] == [
+        (ok, "unsupported"), (gone, "not_found")
+    ]  # fmt: skip
+    ran = dsec_cli(platform, "exec", gone, "--json", "--", "true")
+    assert ran.returncode == exitcodes.BY_CODE["not_found"]
+    assert json.loads(ran.stdout)["error"]["code"] == "not_found"
+    rows = [
+        json.loads(x) for x in dsec_cli(platform, "destroy", ok, gone, "--json").stdout.splitlines()
+    ]
+    assert [(x["sandbox_id"], x["found"], x["error"]) for x in rows] == [
+        (ok, True, None), (gone, False, None)
+    ]  # fmt: skip
+
+    # past a quota of 2: two made, one line for the third, the quota's status
+    nats = ("--nats-url", platform.nats.client_url, "--nats-login-file", platform.nats.login_file)
+    token = dsec_cli(platform, "tenant", "create", "cli-quota", *map(str, nats)).stdout.strip()
+    quota = dsec_cli(platform, "tenant", "quota", "cli-quota", "--sandboxes", "2", *map(str, nats))
+    assert quota.returncode == 0, quota.stderr
+    time.sleep(1)  # the apiserver's mirror of quotas
+    as_tenant = {"DSEC_TOKEN": token}
+    made = dsec_cli(platform, "create", "--count", "3", env=as_tenant)
+    assert made.returncode == exitcodes.BY_CODE["quota_exceeded"], made.stderr
+    ids = made.stdout.split()
+    assert len(ids) == 2 and "dsec: not created: [quota_exceeded] " in made.stderr, made.stderr
+    full = dsec_cli(platform, "create", "--json", env=as_tenant)  # none can be made
+    assert full.returncode == exitcodes.BY_CODE["quota_exceeded"] and full.stdout == ""
+    assert dsec_cli(platform, "destroy", *ids, env=as_tenant).stdout == "destroyed 2\n"
+    made = dsec_cli(platform, "create", "--count", "3", "--json", env=as_tenant)
+    rows = [json.loads(x) for x in made.stdout.splitlines()]
+    assert [("id" in x, x.get("error", {}).get("code")) for x in rows] == [
+        (True, None), (True, None), (False, "quota_exceeded")
+    ]  # fmt: skip
+    assert dsec_cli(platform, "destroy", "--all", env=as_tenant).stdout == "destroyed 2\n"

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,42 @@ def _plain(value: Any) -> Any:
 def _json_line(obj: Any) -> None:
     data = obj.model_dump(mode="python") if hasattr(obj, "model_dump") else obj
     print(json.dumps(_plain(data), default=str))
+
+
+async def _stateless_note(c: Any, backend: str) -> str | None:
+    """What ``dsec create`` says on stderr of the sandboxes of a backend that declares
+    itself stateless (fncall), naming the stateful backends the cluster runs; None for
+    other backends."""
+    backends = [b for n in await c.nodes() for b in n.backends]
+    if not any(b.name == backend and not b.capabilities.stateful for b in backends):
+        return None
+    stateful = sorted({b.name for b in backends if b.capabilities.stateful})
+    hint = f"; use --backend {' or '.join(stateful)} for state" if stateful else ""
+    return f"note: {backend} sandboxes are stateless: files do not survive between commands{hint}"
+
+
+def _report(
+    entries: list[Any],
+    as_json: bool,
+    ok_line: Callable[[Any], str] | None,
+    name: Callable[[Any], str],
+) -> int:
+    """Print a batch's entries in order: each done one as ``ok_line(entry)`` (if given), each
+    failed one as a line on stderr naming it (``name(entry)``) and its error; with
+    ``as_json``, each as a JSON object (a failed one's ``error`` set). The exit status: 0,
+    or the first failure's kind."""
+    status = 0
+    for entry in entries:
+        if as_json:
+            _json_line(entry)
+        elif entry.error is None:
+            if ok_line is not None:
+                print(ok_line(entry))
+        else:
+            print(f"dsec: {name(entry)}: {entry.error}", file=sys.stderr)
+        if entry.error is not None and not status:
+            status = exitcodes.for_error(entry.error)
+    return status
 
 
 def _cmd_plugins(as_json: bool) -> int:
@@ -178,14 +215,22 @@ async def _client_cmd(args: argparse.Namespace) -> int:
                     wait=args.wait,
                     progress=lambda done, total: bar.update(task, completed=done),
                 )
-            for sb in sbs:
-                _json_line(sb.info) if args.json else print(sb.id)
+            if not args.json and (note := await _stateless_note(c, args.backend)):
+                print(note, file=sys.stderr)
+            for sb in sbs:  # the made ones come first
+                if sb.error is None:
+                    _json_line(sb.info) if args.json else print(sb.id)
+            unmade = [sb for sb in sbs if sb.error is not None]
+            return _report(unmade, args.json, None, lambda _: "not created")
         elif args.cmd in ("pause", "resume"):
-            reports = await getattr(c, args.cmd)(args.sandboxes)
-            for r in reports:
+
+            def done(r: Any) -> str:
                 freed = (r.memory_before_bytes - r.memory_after_bytes) >> 20
                 extra = f", {freed} MiB out of RAM" if args.cmd == "pause" else ""
-                print(f"{r.sandbox_id} {r.state} in {r.seconds * 1e3:.1f} ms{extra}")
+                return f"{r.sandbox_id} {r.state} in {r.seconds * 1e3:.1f} ms{extra}"
+
+            reports = await getattr(c, args.cmd)(args.sandboxes)
+            return _report(reports, args.json, done, lambda r: r.sandbox_id)
         elif args.cmd == "ls":
             table = Table("id", "backend", "node", "state", "job", "pool", "expires")
             for sb in await c.list():
@@ -232,15 +277,20 @@ async def _client_cmd(args: argparse.Namespace) -> int:
         elif args.cmd == "exec":
             if not args.command:
                 raise UsageError("give the command after the sandbox id: dsec exec ID -- CMD")
-            r = await (await c.get(args.sandbox)).exec(args.command, timeout=args.timeout)
+            (r,) = await c.exec_many([args.sandbox], args.command, timeout=args.timeout)
+            if r.error is not None:
+                return _report([r], args.json, None, lambda r: r.sandbox_id)
             return _print_result(r, args.json)
         elif args.cmd == "fncall":
             r = await c.fncall(args.code, language=args.language, timeout=args.timeout)
             return _print_result(r, args.json)
         elif args.cmd == "destroy":
             targets: list[Any] = await c.list() if args.all else args.sandboxes
-            done = await c.destroy(targets) if targets else []
-            print(f"destroyed {len(done)}")
+            reports = await c.destroy(targets) if targets else []
+            status = _report(reports, args.json, None, lambda r: r.sandbox_id)
+            if not args.json:
+                print(f"destroyed {sum(1 for r in reports if r.error is None and r.found)}")
+            return status
     return 0
 
 

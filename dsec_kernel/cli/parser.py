@@ -198,7 +198,9 @@ def parser() -> argparse.ArgumentParser:
     lr.add_argument("--force", action="store_true", help="even if held (by nodes that are gone)")
     lsub.add_parser("gc", help="delete images no layer names and nothing holds")
 
-    s = command("create", "create sandboxes (their ids on stdout, one per line)")
+    s = command(
+        "create", "create sandboxes (their ids on stdout, one per line; those not made on stderr)"
+    )
     s.add_argument("--count", type=_count, default=1, help="how many")
     s.add_argument("--backend", default="fncall", help="the backend to run them on")
     s.add_argument("--ttl", type=_positive, help="destroy after this many seconds")
@@ -214,8 +216,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="one JSON object per sandbox")
 
     for verb in ("pause", "resume"):
-        s = command(verb, f"{verb} sandboxes")
+        s = command(verb, f"{verb} sandboxes (each one's failure on stderr)")
         s.add_argument("sandboxes", nargs="+", metavar="ID", help="their ids")
+        s.add_argument("--json", action="store_true", help="one JSON object per sandbox")
 
     s = command("ls", "list your sandboxes")
     s.add_argument("--json", action="store_true", help="one JSON object per sandbox")
@@ -242,9 +245,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=_positive, default=30.0, help="seconds before it is killed")
     s.add_argument("--json", action="store_true", help="the result as one JSON object")
 
-    s = command("destroy", "destroy sandboxes")
+    s = command("destroy", "destroy sandboxes (each one's failure on stderr)")
     s.add_argument("sandboxes", nargs="*", metavar="ID", help="their ids")
     s.add_argument("--all", action="store_true", help="every sandbox of yours")
+    s.add_argument("--json", action="store_true", help="one JSON object per sandbox")
 
     s = command("completion", "print a shell completion script: dsec completion bash > ...")
     s.add_argument("shell", choices=["bash", "zsh", "tcsh"], help="the shell")
