@@ -86,6 +86,18 @@ def cgroups() -> set[str]:
     return {str(p) for d in own for p in d.glob("dsec*")}
 
 
+def _occupied(group: Path) -> bool:
+    """Whether a process is in ``group`` or any group below it (True if it cannot be read)."""
+    try:
+        return any(
+            (d / "cgroup.procs").read_text().strip()
+            for d in (group, *group.rglob("*"))
+            if d.is_dir()
+        )
+    except OSError:
+        return True
+
+
 @pytest.fixture(scope="session", autouse=True)
 def hermetic():
     """Tests see no DSEC_* setting of the caller's environment."""
@@ -99,14 +111,17 @@ def session_cgroups(hermetic):
     """Move pytest into a cgroup of its own in every hierarchy that takes it (v1 cpuset,
     with no CPUs of its own, does not; cgroup2 as "unified"); back out at the end, and remove
     them with whatever is left in them (the leak check has reported it by then). Empty groups
-    of earlier sessions killed before they could clean up go at the start; groups with
-    processes in them are left alone (another session's, maybe in another PID namespace)."""
+    of earlier sessions killed before they could clean up go at the start; a group with a
+    process anywhere in it is left alone whole (another session's, maybe in another PID
+    namespace: the empty groups inside it are its services' own, such as an idle fncall
+    edge's cpu group, which a removal would pull from under it)."""
     parents = v1_controllers() | ({"unified": own} if (own := v2_own()) else {})
     me = str(os.getpid())
     for controller, parent in parents.items():
         for old in parent.glob("dsec-tests-*"):
-            with contextlib.suppress(OSError):  # busy: someone's, still running
-                Group({controller: old}).remove(timeout=0)
+            if not _occupied(old):
+                with contextlib.suppress(OSError):  # someone's, come to life meanwhile
+                    Group({controller: old}).remove(timeout=0)
     made: dict[str, Path] = {}
     for controller, parent in parents.items():
         group = parent / f"dsec-tests-{me}"
