@@ -6,7 +6,7 @@ Runs the container backend in this process, without NATS (``dsec_kernel.conforma
 on a fresh layer store in a temporary directory ($TMPDIR, or --tmp-dir: a local disk, not
 tmpfs), so nothing else on the node has its images mounted or holds them. Into it go
 ``debian-python:12`` (base; its tree is built by debootstrap once per machine and cached in
-~/.cache/dsec/debian-python-12) and ``more-itertools:10.2.0`` (workspace: the sdist from PyPI,
+~/.cache/dsec/debian-python-12.v2) and ``more-itertools:10.2.0`` (workspace: the sdist from PyPI,
 ``pip download --no-binary :all: --no-deps``, or --sdist FILE, unpacked at /workspace; its
 tests included). Layers already in the store are reused.
 
@@ -62,7 +62,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -112,11 +111,9 @@ def workspace_layer(store: LayerStore, sdist: Path | None, tmp: Path) -> Layer:
             if pip.returncode != 0:
                 sys.exit(f"downloading the {PROJECT} sdist failed (or pass --sdist):\n{pip.stderr}")
             sdist = next(work.glob("*.tar.gz"))
-        tree = work / "tree"
-        with tarfile.open(sdist) as tar:
-            tar.extractall(tree, filter="data")
-        (tree / next(tree.iterdir()).name).rename(tree / "workspace")
-        return store.import_layer(str(tree), "workspace", PROJECT, VERSION)
+        return store.import_layer(  # more-itertools-10.2.0/... as /workspace/...
+            str(sdist), "workspace", PROJECT, VERSION, under="workspace", strip=1
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

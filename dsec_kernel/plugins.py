@@ -1,9 +1,10 @@
 """Plugin discovery (stevedore) and the typed facade over hooks (pluggy).
 
-Four entry-point groups: ``dsec.backends``, ``dsec.storage``, ``dsec.placement`` and
-``dsec.guards``. Drivers named in configuration are loaded with :func:`load_drivers`; a
-missing or broken one raises :class:`PluginLoadError` naming it and the reason, at start-up.
-Every loaded plugin object is registered with pluggy, so any of them may implement hooks.
+Five entry-point groups: ``dsec.backends``, ``dsec.storage``, ``dsec.placement``,
+``dsec.guards`` and ``dsec.recipes`` (the layers ``dsec layer build`` makes). Drivers named in
+configuration are loaded with :func:`load_drivers`; a missing or broken one raises
+:class:`PluginLoadError` naming it and the reason, at start-up. Every loaded plugin object is
+registered with pluggy, so any of them may implement hooks.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-GROUPS = ("dsec.backends", "dsec.storage", "dsec.placement", "dsec.guards")
+GROUPS = ("dsec.backends", "dsec.storage", "dsec.placement", "dsec.guards", "dsec.recipes")
 hookimpl = pluggy.HookimplMarker("dsec")
 
 

@@ -16,6 +16,11 @@ later operator import makes public is shadowed, never the other way round). A la
 not visible is NotFound with the same message as one that does not exist. Images are shared
 by content whoever owns the records; holds, pins and snapshots are per digest.
 
+A *recipe* (entry-point group ``dsec.recipes``, :class:`LayerRecipe`) builds the tree of one
+well-known layer, such as a base image, so that ``dsec layer build NAME`` can make it without
+a root filesystem at hand; :func:`ensure_layer` imports a tree only if the store lacks its
+layer.
+
 The store has a *catalog* (layers, their images, snapshots) on a filesystem every node can
 reach (3FS, CephFS, NFS... or a local directory on one machine) and a *node side*: each node
 mounts the images it needs directly from the store path, once per node, and caches metadata
@@ -26,6 +31,7 @@ callers run them in a thread. Failures raise :class:`~dsec_kernel.errors.DsecErr
 from __future__ import annotations
 
 import abc
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -33,9 +39,20 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_kernel.backend import NoConfig
+from dsec_kernel.errors import NotFound
 from dsec_kernel.wire.base import NAME_PATTERN
 
-__all__ = ["KINDS", "GcReport", "Layer", "LayerStore", "LayerUsage", "Progress", "open_store"]
+__all__ = [
+    "KINDS",
+    "GcReport",
+    "Layer",
+    "LayerRecipe",
+    "LayerStore",
+    "LayerUsage",
+    "Progress",
+    "ensure_layer",
+    "open_store",
+]
 
 KINDS = ("base", "workspace", "toolkit")
 Kind = Literal["base", "workspace", "toolkit"]
@@ -105,10 +122,16 @@ class LayerStore(abc.ABC):
         progress: Progress | None = None,
         *,
         tenant: str | None = None,
+        under: str = "",
+        strip: int = 0,
     ) -> Layer:
         """Build a layer from a directory, a tar / tar.gz, or an OCI image layout (its layers
         flattened in order, whiteouts applied) and add it to the catalog: public when
-        ``tenant`` is None, else in that tenant's namespace. Importing the same name:version
+        ``tenant`` is None, else in that tenant's namespace. An archive's entries may be
+        placed: each without the first ``strip`` components of its path, under the directory
+        ``under`` (``name-1.0/setup.py`` with ``strip=1, under="workspace"`` is
+        ``/workspace/setup.py``); other sources take neither (InvalidArgument). The same
+        source always gives the same image. Importing the same name:version
         (in the same namespace) again with different content is a Conflict; with the same
         content, a no-op returning the existing record. A tenant's import of a name:version
         that is public is a Conflict. Nothing is left behind on failure."""
@@ -187,6 +210,51 @@ class LayerStore(abc.ABC):
         """After a restart on ``node``: take over the mounts still there (with the holds of
         this node's holders), unmount those nobody holds, forget holds whose image is no
         longer mounted. Returns digest -> holders adopted."""
+
+
+class LayerRecipe(abc.ABC):
+    """How to build the tree of one layer, ``name:version`` of ``kind`` (entry-point group
+    ``dsec.recipes``; the entry point's name is what ``dsec layer build`` takes).
+
+    A recipe must be reproducible: built again, later or on another machine, from the same
+    inputs (the same packages, the same binary), its tree gives the same image, so that every
+    store and every node agrees on what ``name:version`` holds."""
+
+    kind: ClassVar[Kind]
+    name: ClassVar[str]
+    version: ClassVar[str]
+    summary: ClassVar[str]  # one line: what the tree holds, and what building it takes
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why it cannot be built on this machine (a missing tool; None: it can). Cheap."""
+        return None
+
+    @abc.abstractmethod
+    def build(self, tree: Path, progress: Progress) -> None:
+        """Fill ``tree``, a directory that does not exist yet (the caller removes it
+        afterwards). Failures raise DsecError (Unavailable: a tool, a mirror)."""
+
+
+def ensure_layer(
+    store: LayerStore,
+    kind: Kind,
+    name: str,
+    version: str,
+    builder: Callable[[Path], object],
+    progress: Progress | None = None,
+) -> Layer:
+    """The public layer ``name:version`` of ``kind``; if the store lacks it, ``builder(tree)``
+    fills a new temporary directory ``tree`` (under $TMPDIR), which is imported, then removed
+    (so a layer of that name and another kind is the import's Conflict)."""
+    try:
+        return store.resolve(name, version, kind)
+    except NotFound:
+        pass
+    with tempfile.TemporaryDirectory(prefix=f"dsec-{name}-") as tmp:
+        tree = Path(tmp) / "rootfs"
+        builder(tree)
+        return store.import_layer(str(tree), kind, name, version, progress)
 
 
 def open_store(name: str | None = None, config: dict | None = None) -> LayerStore:

@@ -17,7 +17,6 @@ import json
 import re
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -54,12 +53,10 @@ def ensure_layers() -> dsec.Env:
             )  # fmt: skip
             if pip.returncode != 0:
                 sys.exit(f"downloading the {PROJECT} sdist failed:\n{pip.stderr}")
-            sdist = next(Path(tmp).glob("*.tar.gz"))
-            tree = Path(tmp) / "tree"
-            with tarfile.open(sdist) as tar:
-                tar.extractall(tree, filter="data")
-            (tree / next(tree.iterdir()).name).rename(tree / "workspace")
-            layer = store.import_layer(str(tree), "workspace", PROJECT, VERSION)
+            sdist = next(Path(tmp).glob("*.tar.gz"))  # more-itertools-10.2.0/... as /workspace/...
+            layer = store.import_layer(
+                str(sdist), "workspace", PROJECT, VERSION, under="workspace", strip=1
+            )
             say("layers", imported=layer.ref, digest=layer.digest[:19], bytes=layer.size)
     return dsec.Env(base="debian-python:12", workspace=f"{PROJECT}:{VERSION}")
 

@@ -294,49 +294,6 @@ async def _client_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_layer(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from dsec_kernel.storage import open_store
-
-    store = open_store()
-    console = Console(stderr=True)
-    if args.layer_cmd == "import":
-        with console.status("importing") as status:
-            layer = store.import_layer(
-                args.source, args.kind, args.name, args.version,
-                progress=lambda step: status.update(f"{args.name}:{args.version}: {step}"),
-                tenant=args.tenant,
-            )  # fmt: skip
-        print(f"{layer.ref} {layer.kind} {layer.digest} {layer.size} bytes {layer.files} files")
-    elif args.layer_cmd == "ls":
-        table = Table("name:version", "owner", "kind", "digest", "size", "files")
-        for layer in sorted(store.list_layers(), key=lambda x: (x.tenant or "", x.kind, x.ref)):
-            table.add_row(
-                layer.ref, layer.tenant or "public", layer.kind, layer.digest[:19],
-                _size(layer.size), str(layer.files),
-            )  # fmt: skip
-        Console().print(table)
-    elif args.layer_cmd == "rm":
-        name, _, version = args.ref.partition(":")
-        if not version:
-            raise errors.InvalidArgument(f"give name:version, not {args.ref!r}")
-        print(f"removed {store.remove(name, version, force=args.force, tenant=args.tenant).ref}")
-    else:
-        report = store.gc()
-        print(f"removed {len(report.removed)} image(s), freed {_size(report.bytes_freed)}")
-    return 0
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _when(t: float | None) -> str:
     import time
 
@@ -457,7 +414,9 @@ def _run(args: argparse.Namespace) -> int:
         print(shtab.complete(parser(), shell=args.shell))
         return 0
     if args.cmd == "layer":
-        return _cmd_layer(args)
+        from dsec_kernel.cli.layers import run_layer
+
+        return run_layer(args)
     if args.cmd == "tenant":
         return asyncio.run(_cmd_tenant(args))
     return asyncio.run(_client_cmd(args))

@@ -19,7 +19,8 @@ __all__ = ["UsageError", "parse", "parser"]
 
 #: commands whose own command comes after ``--``
 RUNS_A_COMMAND = ("up", "cluster-up", "exec")
-_REF = re.compile(r"^[a-z0-9][a-z0-9._-]*:[A-Za-z0-9._-]+$")
+#: a layer's name:version, as the wire's ``LayerRef`` has it (not imported: start-up stays fast)
+_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}:[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 
 
 class UsageError(Exception):
@@ -183,6 +184,10 @@ def parser() -> argparse.ArgumentParser:
     s = command("layer", "manage layers in the layer store (DSEC_STORAGE_CONFIG__ROOT)")
     lsub = s.add_subparsers(dest="layer_cmd", required=True, metavar="ACTION",
                             parser_class=_Parser)  # fmt: skip
+    lb = lsub.add_parser("build", help="make a well-known layer from a recipe, if not there yet",
+                         formatter_class=_Help)  # fmt: skip
+    lb.add_argument("recipe", nargs="?", help="the recipe, e.g. busybox (none: list them)")
+    lb.add_argument("--json", action="store_true", help="the layer's record (the recipes) as JSON")
     li = lsub.add_parser("import", help="import a directory, tarball or OCI image layout",
                          formatter_class=_Help)  # fmt: skip
     li.add_argument("--kind", required=True, choices=["base", "workspace", "toolkit"],
@@ -190,8 +195,16 @@ def parser() -> argparse.ArgumentParser:
     li.add_argument("--name", required=True, help="its name")
     li.add_argument("--version", required=True, help="its version")
     li.add_argument("--tenant", help="the tenant it belongs to (default: public, for every tenant)")
+    li.add_argument("--under", metavar="DIR",
+                    help="a tarball's entries go under DIR, e.g. /workspace")  # fmt: skip
+    li.add_argument("--strip", type=_bounded(int, 0, False, "a whole number"), default=0,
+                    metavar="N",
+                    help="a tarball's entries lose their first N path components, as tar's "
+                    "--strip-components (an sdist's name-1.0/: 1)")  # fmt: skip
+    li.add_argument("--json", action="store_true", help="the layer's record as JSON")
     li.add_argument("source", help="the directory, tarball or OCI layout")
-    lsub.add_parser("ls", help="list layers (every owner's)")
+    ll = lsub.add_parser("ls", help="list layers (every owner's)")
+    ll.add_argument("--json", action="store_true", help="one JSON object per layer")
     lr = lsub.add_parser("rm", help="remove a layer (refused while in use)", formatter_class=_Help)
     lr.add_argument("ref", type=_ref, help="name:version")
     lr.add_argument("--tenant", help="remove that tenant's layer (default: the public one)")

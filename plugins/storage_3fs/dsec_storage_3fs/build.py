@@ -3,7 +3,9 @@
 :func:`build_image` takes
 
 * a directory: built as it is (nothing is copied);
-* a tar archive (plain, gzip, bzip2 or xz; ``.tar``, ``.tar.gz``, ``.tgz``...): extracted first;
+* a tar archive (plain, gzip, bzip2 or xz; ``.tar``, ``.tar.gz``, ``.tgz``...): extracted first,
+  each entry's path without its first ``strip`` components and under ``under`` (an sdist or a
+  repository's tarball, ``name-1.0/...``, as ``/workspace/...``: ``strip=1, under="workspace"``);
 * an OCI image layout (a directory holding ``oci-layout`` and ``index.json``): ``index.json``
   -> manifest (through a nested index or Docker manifest list: the first entry for this
   machine's linux architecture, else the first entry) -> its layers, each a tar or tar+gzip,
@@ -99,11 +101,19 @@ def build_image(
     *,
     max_bytes: int | None = None,
     timeout_s: float | None = None,
+    under: str = "",
+    strip: int = 0,
 ) -> Built:
     """Build ``workdir/image.erofs`` from ``source``, extracting into ``workdir/tree`` when it
-    is an archive or an OCI layout. ``workdir`` is the caller's: it removes it afterwards.
-    QuotaExceeded if the tree's files hold more than ``max_bytes``; DeadlineExceeded if
-    mkfs.erofs runs longer than ``timeout_s``."""
+    is an archive (its entries placed by ``under`` and ``strip``, which only archives take) or
+    an OCI layout. ``workdir`` is the caller's: it removes it afterwards. QuotaExceeded if the
+    tree's files hold more than ``max_bytes``; DeadlineExceeded if mkfs.erofs runs longer than
+    ``timeout_s``."""
+    if (under or strip) and source.is_dir():
+        raise InvalidArgument(
+            f"{source} is not a tar archive: only an archive's entries are placed (under, "
+            "strip); a directory or an OCI layout is imported as it is"
+        )
     if source.is_dir() and (source / "oci-layout").is_file() and (source / "index.json").is_file():
         tree = workdir / "tree"
         extract_oci(source, tree, progress, max_bytes)
@@ -112,7 +122,7 @@ def build_image(
     elif source.is_file():
         tree = workdir / "tree"
         progress(f"extracting {source.name}")
-        extract_tar(source, tree, max_bytes)
+        extract_tar(source, tree, max_bytes, under, strip)
     else:
         raise NotFound(
             f"layer source {source} does not exist; give a directory, a tar archive or an "
@@ -179,10 +189,15 @@ def size_text(n: int) -> str:
     return f"{size:.1f} TiB"
 
 
-def extract_tar(archive: Path, tree: Path, max_bytes: int | None = None) -> None:
-    """Extract ``archive`` into the new directory ``tree``; QuotaExceeded before its files
-    would hold more than ``max_bytes``."""
-    out = _Tree(tree, max_bytes)
+def extract_tar(
+    archive: Path, tree: Path, max_bytes: int | None = None, under: str = "", strip: int = 0
+) -> None:
+    """Extract ``archive`` into the new directory ``tree``, each entry without the first
+    ``strip`` components of its path (entries with no more are left out, as by tar's
+    ``--strip-components``) and under the directory ``under`` of the tree (made as needed,
+    mtime 0; with nothing stripped, the archive's root entry gives it its metadata);
+    QuotaExceeded before its files would hold more than ``max_bytes``."""
+    out = _Tree(tree, max_bytes, under, strip)
     out.add(archive, whiteouts=False)
     out.finish()
 
@@ -251,7 +266,17 @@ def _json(path: Path) -> dict:
 class _Tree:
     """A root filesystem tree built from tar archives applied one after another."""
 
-    def __init__(self, root: Path, max_bytes: int | None = None) -> None:
+    def __init__(
+        self, root: Path, max_bytes: int | None = None, under: str = "", strip: int = 0
+    ) -> None:
+        parts = [p for p in under.split("/") if p not in ("", ".")]
+        if ".." in parts or strip < 0:
+            raise InvalidArgument(
+                f"entries go under a directory of the layer (not {under!r}, no '..'), "
+                f"with 0 or more leading components stripped (not {strip})"
+            )
+        self.under = "/".join(parts)  # "/workspace/" -> "workspace"
+        self.strip = strip
         root.mkdir()
         os.chmod(root, 0o755)  # not left to the umask: images must not depend on it
         self.root = root
@@ -281,7 +306,9 @@ class _Tree:
     def _entry(
         self, tf: tarfile.TarFile, m: tarfile.TarInfo, what: str, whiteouts: bool, written: set
     ) -> None:
-        rel = _relpath(m.name, what)
+        rel = self._place(m.name, what)
+        if rel is None:
+            return  # stripped away
         parent_rel, _, base = rel.rpartition("/")
         if whiteouts and base == _OPAQUE:
             self._clear(parent_rel, written, what)
@@ -327,7 +354,7 @@ class _Tree:
         elif m.issym():
             os.symlink(m.linkname, target)
         elif m.islnk():
-            link_dir, _, link_base = _relpath(m.linkname, what).rpartition("/")
+            link_dir, _, link_base = (self._place(m.linkname, what) or "").rpartition("/")
             directory = self._dir(link_dir, what, create=False)
             try:
                 if directory is None or not link_base:
@@ -348,6 +375,16 @@ class _Tree:
         else:
             return False
         return True
+
+    def _place(self, name: str, what: str) -> str | None:
+        """Where the entry ``name`` goes: its path in the tree, or None if stripped away."""
+        rel = _relpath(name, what)
+        if self.strip:
+            parts = rel.split("/") if rel else []
+            if len(parts) <= self.strip:
+                return None
+            rel = "/".join(parts[self.strip :])
+        return f"{self.under}/{rel}".strip("/") if self.under else rel
 
     def _dir(self, rel: str, what: str, create: bool) -> Path | None:
         """The directory ``rel`` ("" is the root), checked to be a real directory at every

@@ -1,4 +1,4 @@
-"""Base trees for tests and examples, and :func:`ensure_layer` to import one only once.
+"""Base trees, the recipes ``dsec layer build`` runs, and :func:`ensure_layer`.
 
 * :func:`busybox_tree` — a minimal root filesystem: the static busybox and links for all its
   applets (``busybox --list``; a fixed list of common ones if it cannot tell),
@@ -6,39 +6,58 @@
   /home``. Reproducible: every entry gets busybox's mtime, so the same busybox binary gives
   the same image digest on every node. Conventionally ``busybox:1`` (base).
 * :func:`debian_tree` — Debian 12 ``minbase`` by debootstrap with extra packages (default
-  python3; about 25 s from a nearby mirror), apt caches trimmed. Conventionally
-  ``debian-python:12`` (base).
-* :func:`ensure_layer` — resolve ``name:version``, or build the tree and import it.
-* :func:`debian_python` — ``debian-python:12``, its tree built once per machine and cached.
+  python3; about 45 s from a nearby mirror), apt caches trimmed. Reproducible: the same
+  packages from the same mirror give the same tree, whenever and on whichever machine it is
+  built (:func:`normalize_debian_tree`). Conventionally ``debian-python:12`` (base).
+* :class:`Busybox` and :class:`DebianPython` — those two as recipes (entry-point group
+  ``dsec.recipes``: ``dsec layer build busybox``, ``dsec layer build debian-python``), the
+  Debian tree debootstrapped once per machine and cached.
+* :func:`ensure_layer` (the kernel's) — resolve ``name:version``, or build the tree and
+  import it; :func:`debian_python` — ``debian-python:12`` that way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import os
 import shutil
 import signal
+import stat
 import subprocess
-import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
-from dsec_kernel.errors import NotFound, Unavailable
-from dsec_kernel.storage import Kind, Layer, LayerStore, Progress
+from dsec_kernel.errors import Internal, Unavailable
+from dsec_kernel.storage import Layer, LayerRecipe, LayerStore, Progress, ensure_layer
 from dsec_storage_3fs.mounts import unmount_under
 
 __all__ = [
     "APPLETS",
     "BUSYBOX",
     "DEBIAN_MIRROR",
+    "NAMESERVERS",
+    "Busybox",
+    "DebianPython",
     "busybox_tree",
     "debian_python",
     "debian_tree",
     "ensure_layer",
+    "normalize_debian_tree",
 ]
 
 BUSYBOX = Path("/usr/bin/busybox")
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
+_NO_DEBOOTSTRAP = "debootstrap is not installed (apt-get install debootstrap)"
+# /etc/resolv.conf of Debian trees (debootstrap copies the host's: a resolver of the host's
+# network, which a sandbox's egress cannot reach): public resolvers, which it can
+NAMESERVERS = ("1.1.1.1", "1.0.0.1")
+# what debootstrap and dpkg leave that says when or where a tree was built, not what is in it
+_BUILD_RECORDS = (
+    "var/log/dpkg.log", "var/log/bootstrap.log", "var/log/alternatives.log",
+    "var/log/apt/history.log", "var/log/apt/term.log", "var/log/apt/eipp.log.xz",
+    "var/cache/ldconfig/aux-cache", "run/mount/utab",
+)  # fmt: skip
 # fmt: off
 APPLETS = (
     "sh", "ls", "cat", "echo", "sleep", "mkdir", "rm", "cp", "mv", "ps", "id", "hostname",
@@ -55,12 +74,8 @@ _GROUP = "root:x:0:\nnobody:x:65534:\n"
 def busybox_tree(dest: Path) -> Path:
     """Build the busybox root filesystem in ``dest`` (created if missing) and return it.
     Unavailable if this machine has no static busybox (Debian: busybox-static)."""
-    if not BUSYBOX.is_file() or not _is_static(BUSYBOX):
-        raise Unavailable(
-            f"{BUSYBOX} is missing or not statically linked; install busybox-static "
-            "(apt-get install busybox-static)",
-            retryable=False,
-        )
+    if reason := Busybox.unavailable_reason():
+        raise Unavailable(reason, retryable=False)
     modes = {"bin": 0o755, "etc": 0o755, "proc": 0o555, "dev": 0o755, "sys": 0o555,
              "tmp": 0o1777, "root": 0o700, "home": 0o755}  # fmt: skip
     dest.mkdir(parents=True, exist_ok=True)
@@ -97,14 +112,13 @@ def debian_tree(
     timeout: float = 900.0,
 ) -> Path:
     """Install Debian 12 (bookworm) ``minbase`` plus ``packages`` into ``dest`` with
-    debootstrap, then drop apt's caches. Unavailable if debootstrap is missing or fails (its
+    debootstrap, then drop apt's caches and what says when and where it was built
+    (:func:`normalize_debian_tree`). Unavailable if debootstrap is missing or fails (its
     output's tail says why; usually the mirror). On failure or timeout nothing it started
     keeps running and nothing stays mounted under ``dest``."""
     exe = shutil.which("debootstrap")
     if exe is None:
-        raise Unavailable(
-            "debootstrap is not installed (apt-get install debootstrap)", retryable=False
-        )
+        raise Unavailable(_NO_DEBOOTSTRAP, retryable=False)
     dest.mkdir(parents=True, exist_ok=True)
     mirror = mirror or DEBIAN_MIRROR
     include = ",".join(packages)
@@ -137,54 +151,167 @@ def debian_tree(
             f"check the mirror is reachable. Last output: {out.strip()[-1500:]}",
             retryable=False,
         )
-    for pattern in ("var/cache/apt/archives/*.deb", "var/cache/apt/*.bin", "var/lib/apt/lists/*"):
-        for path in dest.glob(pattern):
-            if path.is_file():
-                path.unlink()
+    normalize_debian_tree(dest)
     return dest
 
 
-def ensure_layer(
-    store: LayerStore,
-    kind: Kind,
-    name: str,
-    version: str,
-    builder: Callable[[Path], object],
-    progress: Progress | None = None,
-) -> Layer:
-    """The layer ``name:version`` of ``kind``; if the store lacks it, ``builder(tree)`` fills
-    a new temporary directory ``tree`` (under $TMPDIR) which is imported, then removed."""
-    try:
-        return store.resolve(name, version, kind)
-    except NotFound:
-        pass
-    with tempfile.TemporaryDirectory(prefix=f"dsec-{name}-") as tmp:
-        tree = Path(tmp) / "rootfs"
-        builder(tree)
-        return store.import_layer(str(tree), kind, name, version, progress)
+def normalize_debian_tree(tree: Path) -> int:
+    """Make a debootstrapped ``tree`` a function of its packages (and mirror) alone, as
+    Debian's own reproducible images (debuerreotype) do, and return its epoch: the ``Date`` of
+    the suite's Release file debootstrap fetched, which no package's files are newer than.
+
+    Drops apt's caches and lists and the logs and caches that record the build; replaces
+    ``/etc/hostname`` (empty) and ``/etc/resolv.conf`` (:data:`NAMESERVERS`), which
+    debootstrap copies from the host, and SSH host keys a package generated (every sandbox of
+    a public layer would share them); empties ``/etc/machine-id``; dates password changes in
+    ``/etc/shadow`` no later than the epoch; makes ``/`` root's, mode 0755; and gives
+    everything newer than the epoch (what was made during the build) the epoch as mtime.
+    Nothing is written or removed through a symlink in the tree. Once only: the Release file
+    goes with apt's lists."""
+    epoch = _release_epoch(tree)
+    for where, pattern in (("var/cache/apt/archives", "*.deb"), ("var/cache/apt", "*.bin"),
+                           ("var/lib/apt/lists", "*"), ("etc/ssh", "ssh_host_*key*")):  # fmt: skip
+        for path in _subdir(tree, where).glob(pattern):
+            if path.is_file() and not path.is_symlink():
+                path.unlink()
+    for rel in _BUILD_RECORDS:
+        (_subdir(tree, os.path.dirname(rel)) / os.path.basename(rel)).unlink(missing_ok=True)
+    etc = _subdir(tree, "etc")
+    _replace(etc / "hostname", "")
+    _replace(etc / "resolv.conf", "".join(f"nameserver {ns}\n" for ns in NAMESERVERS))
+    if os.path.lexists(etc / "machine-id"):
+        _replace(etc / "machine-id", "")
+    day = epoch // 86400
+    for path in (etc / "shadow", etc / "shadow-"):
+        if path.is_file() and not path.is_symlink():
+            st = path.stat()
+            lines = [_shadow_line(line, day) for line in path.read_text().splitlines(True)]
+            _replace(path, "".join(lines), stat.S_IMODE(st.st_mode), (st.st_uid, st.st_gid))
+    os.chown(tree, 0, 0)
+    os.chmod(tree, 0o755)
+    stamp = epoch * 1_000_000_000
+    for dirpath, dirs, files in os.walk(tree):  # symlinks to directories are not followed
+        for name in (*dirs, *files):
+            path = os.path.join(dirpath, name)
+            if os.lstat(path).st_mtime_ns > stamp:
+                os.utime(path, ns=(stamp, stamp), follow_symlinks=False)
+    if os.lstat(tree).st_mtime_ns > stamp:
+        os.utime(tree, ns=(stamp, stamp))
+    return epoch
+
+
+def _subdir(tree: Path, rel: str) -> Path:
+    """``tree/rel`` if each of its components is a directory, not a symlink (so what is done
+    under it stays in the tree); else a path under ``tree`` that does not exist."""
+    path = tree
+    for part in rel.split("/"):
+        path = path / part
+        if not path.is_dir() or path.is_symlink():
+            return tree / ".missing" / rel
+    return path
+
+
+def _release_epoch(tree: Path) -> int:
+    """The ``Date:`` of the Release (or InRelease) file debootstrap left in apt's lists."""
+    for path in sorted(_subdir(tree, "var/lib/apt/lists").glob("*Release")):
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith("Date:"):
+                return int(email.utils.parsedate_to_datetime(line[5:].strip()).timestamp())
+    raise Unavailable(
+        f"{tree} has no Release file from debootstrap (var/lib/apt/lists/*Release) to date "
+        "it by; debootstrap it again",
+        retryable=False,
+    )
+
+
+def _shadow_line(line: str, day: int) -> str:
+    fields = line.split(":")
+    if len(fields) > 2 and fields[2].isdigit() and int(fields[2]) > day:
+        fields[2] = str(day)  # the day of the last password change: the day it was built
+    return ":".join(fields)
+
+
+def _replace(path: Path, text: str, mode: int = 0o644, owner: tuple[int, int] = (0, 0)) -> None:
+    """``path`` as a new regular file holding ``text`` (whatever was there, a symlink too, is
+    removed first: nothing is written through it)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        os.fchown(f.fileno(), *owner)
+        os.fchmod(f.fileno(), mode)
+
+
+class Busybox(LayerRecipe):
+    """``busybox:1`` (``dsec layer build busybox``): :func:`busybox_tree`."""
+
+    kind = "base"
+    name = "busybox"
+    version = "1"
+    summary = "static busybox and its applets (2 MB; a second)"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if BUSYBOX.is_file() and _is_static(BUSYBOX):
+            return None
+        return (
+            f"{BUSYBOX} is missing or not statically linked; install busybox-static "
+            "(apt-get install busybox-static)"
+        )
+
+    def build(self, tree: Path, progress: Progress) -> None:
+        busybox_tree(tree)
+
+
+class DebianPython(LayerRecipe):
+    """``debian-python:12`` (``dsec layer build debian-python``): :func:`debian_tree` with
+    python3, debootstrapped once per machine into ``cache`` (default
+    ``~/.cache/dsec/debian-python-12.v2``, or under ``$DSEC_IMAGE_CACHE``) and hard-linked
+    from there (an import only reads the tree)."""
+
+    kind = "base"
+    name = "debian-python"
+    version = "12"
+    summary = "Debian 12 minbase and python3, by debootstrap (162 MB; a minute, once a machine)"
+
+    def __init__(self, cache: Path | None = None) -> None:
+        root = Path(os.environ.get("DSEC_IMAGE_CACHE", Path.home() / ".cache" / "dsec"))
+        # .v2: trees made before debian_tree normalized them are other images; drop such a one
+        self.cache = cache or root / "debian-python-12.v2"
+        self._legacy = None if cache else root / "debian-python-12"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return _NO_DEBOOTSTRAP if shutil.which("debootstrap") is None else None
+
+    def build(self, tree: Path, progress: Progress) -> None:
+        if self._legacy is not None:
+            shutil.rmtree(self._legacy, ignore_errors=True)
+        if not (self.cache / "usr/bin/python3").exists():
+            progress("debootstrap of Debian 12 with python3 (once per machine)")
+            partial = self.cache.with_name(self.cache.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            debian_tree(partial)
+            partial.rename(self.cache)
+        progress("linking the Debian tree")
+        for how in ("-al", "-a"):  # hard links (1 s); a copy (5 s) if on another filesystem
+            done = subprocess.run(["cp", how, self.cache, tree], capture_output=True, text=True)
+            if done.returncode == 0:
+                return
+            shutil.rmtree(tree, ignore_errors=True)
+        raise Internal(f"copying {self.cache} failed: {done.stderr.strip()[-500:]}")
 
 
 def debian_python(
     store: LayerStore, cache: Path | None = None, progress: Progress | None = None
 ) -> Layer:
-    """``debian-python:12`` (base) in ``store``. The debootstrapped tree is kept in ``cache``
-    (default ``~/.cache/dsec/debian-python-12``, or ``$DSEC_IMAGE_CACHE``) and built only once
-    per machine (~40 s); importing it takes about a second."""
-    try:
-        return store.resolve("debian-python", "12", "base")
-    except NotFound:
-        pass
-    root = Path(os.environ.get("DSEC_IMAGE_CACHE", Path.home() / ".cache" / "dsec"))
-    tree = cache or root / "debian-python-12"
-    if not (tree / "usr/bin/python3").exists():
-        if progress:
-            progress("debootstrap of Debian 12 with python3 (once per machine)")
-        partial = tree.with_name(tree.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        debian_tree(partial)
-        partial.rename(tree)
-    return store.import_layer(str(tree), "base", "debian-python", "12", progress)
+    """``debian-python:12`` (base) in ``store``, built by :class:`DebianPython` if missing."""
+    recipe = DebianPython(cache)
+    say = progress or (lambda _msg: None)
+    return ensure_layer(
+        store, recipe.kind, recipe.name, recipe.version, lambda t: recipe.build(t, say), progress
+    )
 
 
 def _is_static(path: Path) -> bool:

@@ -157,6 +157,8 @@ class ThreeFsStore(LayerStore):
         progress: Progress | None = None,
         *,
         tenant: str | None = None,
+        under: str = "",
+        strip: int = 0,
     ) -> Layer:
         if kind not in KINDS:
             raise InvalidArgument(f"layer kind {kind!r} is not one of {', '.join(KINDS)}")
@@ -182,6 +184,8 @@ class ThreeFsStore(LayerStore):
                 say,
                 max_bytes=self.config.build_max_bytes,
                 timeout_s=self.config.build_timeout_s,
+                under=under,
+                strip=strip,
             )
             with self._tenant_lock(tenant):
                 return self._add(built, kind, name, version, source, tenant, say)

@@ -229,6 +229,36 @@ def test_a_directory_and_its_pax_archive_are_one_image(store, tmp_path):
     _assert_clean(store)
 
 
+def test_an_archives_entries_can_go_under_a_directory_stripped(store, tmp_path, mounted):
+    """An sdist (``pkg-1.0/...``) as ``/workspace/...``, the same image at every import."""
+    sdist = tmp_path / "pkg-1.0.tar.gz"
+    sdist.write_bytes(_tar([
+        _member("pkg-1.0", tarfile.DIRTYPE, mtime=MTIME + 5),
+        _member("pkg-1.0/setup.py", data=b"setup()\n"),
+        _member("pkg-1.0/src/pkg.py", data=b"x = 1\n"),
+        _member("pkg-1.0/hard", tarfile.LNKTYPE, linkname="pkg-1.0/setup.py"),
+        _member("pkg-1.0/link", tarfile.SYMTYPE, linkname="setup.py"),
+        _member("stray", data=b"left out: nothing left after stripping one component"),
+    ], gz=True))  # fmt: skip
+    layer = store.import_layer(str(sdist), "workspace", "pkg", "1.0", under="/workspace", strip=1)
+    mp = mounted(layer)
+    assert os.listdir(mp) == ["workspace"]
+    assert sorted(os.listdir(mp / "workspace")) == ["hard", "link", "setup.py", "src"]
+    assert (mp / "workspace/src/pkg.py").read_text() == "x = 1\n"
+    assert os.stat(mp / "workspace/hard").st_ino == os.stat(mp / "workspace/setup.py").st_ino
+    assert os.readlink(mp / "workspace/link") == "setup.py"
+    # pkg-1.0/ itself is stripped away, as by tar: these three no kept entry names
+    assert {os.stat(mp / d).st_mtime for d in ("", "workspace", "workspace/src")} == {0}
+    assert os.stat(mp / "workspace/setup.py").st_mtime == MTIME
+    again = store.import_layer(str(sdist), "workspace", "pkg", "again", under="workspace/", strip=1)
+    assert again.digest == layer.digest
+    with pytest.raises(InvalidArgument, match="imported as it is"):
+        store.import_layer(str(tmp_path), "workspace", "dir", "1", under="workspace")
+    with pytest.raises(InvalidArgument, match=r"no '\.\.'"):
+        store.import_layer(str(sdist), "workspace", "up", "1", under="../x")
+    _assert_clean(store)
+
+
 def test_reimport_with_other_content_or_kind_is_a_conflict(store, sample_tree):
     layer = store.import_layer(str(sample_tree), "base", "sample", "1")
     with pytest.raises(Conflict, match="new version"):
