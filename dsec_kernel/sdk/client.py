@@ -499,13 +499,15 @@ class AsyncClient:
             after = resp.next
 
     async def destroy(
-        self, sandboxes: Sandbox | str | Iterable[Sandbox | str]
+        self, sandboxes: Sandbox | str | Iterable[Sandbox | str | NotCreated]
     ) -> list[DestroyReport]:
         """Destroy sandboxes (handles or ids). Idempotent: one :class:`DestroyReport` per
         sandbox, in order — destroyed, not found (nothing to do), or its ``error`` (still
-        there: destroy it again)."""
-        items = [sandboxes] if isinstance(sandboxes, Sandbox | str) else sandboxes
-        reqs = [_model(DestroyRequest, ids=part) for part in _parts(_ids(items))]
+        there: destroy it again). ``create``'s entries may be given as they came: one it
+        could not make has nothing to destroy (``found`` False, no id)."""
+        items = [sandboxes] if isinstance(sandboxes, Sandbox | str) else list(sandboxes)
+        made = [s for s in items if not isinstance(s, NotCreated)]
+        reqs = [_model(DestroyRequest, ids=part) for part in _parts(_ids(made))]
 
         async def send(req: DestroyRequest) -> DestroyResponse:
             return await self._call("destroy", req, DestroyResponse)
@@ -520,7 +522,11 @@ class AsyncClient:
                 DestroyReport(sandbox_id=i, found=i not in gone, error=failed.get(i))
                 for i in req.ids
             ]
-        return reports
+        done = iter(reports)
+        return [
+            DestroyReport(sandbox_id="", found=False) if isinstance(s, NotCreated) else next(done)
+            for s in items
+        ]
 
     async def pause(self, sandboxes: Iterable[Sandbox | str]) -> list[PauseReport]:
         """Pause many sandboxes (see :meth:`Sandbox.pause`): one report per sandbox, in

@@ -58,7 +58,8 @@ class DestroyReport(BaseModel):
 
 class NotCreated(BaseModel):
     """``create``'s entry for a sandbox it could not make, and why (``error``). Nothing of
-    it is left behind; it has no id, and a batch call given it refuses it."""
+    it is left behind and it has no id: ``destroy`` takes it as nothing to destroy, the
+    other batch calls refuse it (InvalidArgument)."""
 
     model_config = ConfigDict(extra="forbid")
 
