@@ -425,14 +425,15 @@ class ApiServer:
         tenant = await self._auth(req)
         r = CreateRequest.model_validate_json(req.data)
         if r.request_id and (done := self._created_by(tenant, r.request_id)):
-            # sent again (a reconnect): not made twice
-            short = r.count - len(done)
-            lost = errors.Unavailable(
-                f"{short} of the sandboxes were not made when this request was first sent; "
-                "create them again"
-            )  # (their error went with the first answer)
-            failed = [CreateFailure(count=short, error=lost.to_wire())] if short > 0 else []
-            return CreateResponse(sandboxes=done, failed=failed if r.partial else [])
+            # sent again (a reconnect): not made twice; of a partial one, those not made
+            # then are answered as such (their own error went with the first answer)
+            short = r.count - len(done) if r.partial else 0
+            why = errors.Unavailable(
+                f"{short} of the {r.count} sandboxes were not made when this request was first "
+                "sent; create them again"
+            )
+            failed = [CreateFailure(count=short, error=why.to_wire())] if short > 0 else []
+            return CreateResponse(sandboxes=done, failed=failed)
         return await self.admit_and_create(tenant, r)
 
     async def admit_and_create(

@@ -634,6 +634,13 @@ async def test_quotas_limit_sandboxes_cpus_and_memory(platform):
     with pytest.raises(errors.QuotaExceeded, match="CPUs"):  # room for none: raised
         await c.create(count=1, backend="noop")
     await c.destroy([fourth])
+    again = CreateRequest(spec=SandboxSpec(backend="noop"), count=2, partial=True, request_id="r")
+    first = await c._call("create", again, CreateResponse)
+    assert len(first.sandboxes) == 1 and first.failed[0].error.code == "quota_exceeded"
+    resent = await c._call("create", again, CreateResponse)  # (its answer lost, say)
+    assert [i.id for i in resent.sandboxes] == [i.id for i in first.sandboxes]
+    assert [(f.count, f.error.code) for f in resent.failed] == [(1, "unavailable")]
+    await c.destroy([i.id for i in first.sandboxes])
     one = await c.create(backend="noop", limits=Limits(cpus=0.5, memory_mb=512))
     with pytest.raises(errors.QuotaExceeded, match="memory"):
         await c.create(backend="noop", limits=Limits(cpus=0.5, memory_mb=4096))
