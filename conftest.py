@@ -168,6 +168,23 @@ def no_leaks(session_cgroups, tmp_path_factory):
     assert not new_claims, f"uid ranges left claimed: {new_claims}"
 
 
+_MEASURED: dict[str, list[str]] = {}
+
+
+@pytest.fixture
+def measured():
+    """``measured(section, line)``: a figure the session prints at its end, under ``section``
+    (what tests observe that a reader should see, such as how long an election took)."""
+    return lambda section, line: _MEASURED.setdefault(section, []).append(line)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for section, lines in _MEASURED.items():
+        terminalreporter.section(section)
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture
 def nats_as():
     """``await nats_as(url, token)``: a bare NATS connection (no reconnects) with the login of

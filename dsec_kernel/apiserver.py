@@ -127,6 +127,7 @@ class ApiServer:
         self.state: ClusterState | None = None
         self.views: dict[str, NodeView] = {}
         self._seen: dict[str, float] = {}
+        self._state_was_down = False  # a node-down write found no stream leader
         self._placed: dict[str, list[_Placed]] = defaultdict(list)
         self._down: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._fncall_inflight: dict[str, int] = defaultdict(int)
@@ -314,6 +315,14 @@ class ApiServer:
         down node (including records written after the node went down)."""
         assert self.state is not None
         now = time.monotonic()
+        if self._state_was_down:  # heartbeats could not be stored either: silence counts
+            try:  # again from when the nodes bucket answers
+                await self.state.js.stream_info(f"KV_{NODES}")
+            except bus.STATE_DOWN:
+                return
+            self._state_was_down = False
+            self._seen = dict.fromkeys(self._seen, time.monotonic())
+            return
         newly_down: list[tuple[NodeInfo, float]] = []
         for name, (info, rev) in list(self.nodes.items.items()):
             silent = now - self._seen.get(name, now)
@@ -325,6 +334,9 @@ class ApiServer:
                 await self.state.cas_node(down, rev)
             except errors.Conflict:
                 continue  # it heartbeated meanwhile, or another apiserver took it
+            except bus.STATE_DOWN:  # the nodes bucket is between leaders: so were heartbeats
+                self._state_was_down = True
+                return
             newly_down.append((down, silent))
         down_nodes = {n for n, (info, _) in self.nodes.items.items() if info.state == "down"}
         down_nodes |= {d.node for d, _ in newly_down}
@@ -520,6 +532,8 @@ class ApiServer:
             revs = await self.state.put_sandboxes(created)  # type: ignore[union-attr]
         except Exception as exc:
             await self._rollback(created)
+            if isinstance(exc, errors.StateUnavailable):
+                raise  # the bus asks again once the stream has a leader
             raise errors.Unavailable(f"could not record the sandboxes: {exc}") from exc
         for info in created:
             self.sandboxes.items[info.id] = (info, revs[info.id])
@@ -738,6 +752,7 @@ class ApiServer:
         than :data:`LIST_PAGE_BYTES` of records (one reply must fit a NATS message)."""
         tenant = await self._auth(req)
         r = ListRequest.model_validate_json(req.data)
+        await self.sandboxes.current()  # a sandbox made through another apiserver is listed
         want = r.labels.items()
         page: list[SandboxInfo] = []
         size = 0

@@ -36,13 +36,14 @@ from urllib.parse import unquote, urlsplit
 
 import nats
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.micro import Request, ServiceConfig, add_service
 from nats.micro.request import ERROR_CODE_HEADER
 from nats.micro.service import EndpointConfig, Service
 from pydantic import BaseModel, ValidationError
 
-from dsec_kernel import errors
+from dsec_kernel import errors, replies
 from dsec_kernel.wire import Error, Message
 
 __all__ = [
@@ -395,7 +396,7 @@ async def request_raw(
     """Like :func:`request`, returning the reply body unparsed (errors still raised)."""
     headers = {**(headers or {}), TIMEOUT_HEADER: f"{timeout:.3f}"}
     try:
-        msg = await nc.request(subject, data, timeout=timeout, headers=headers)
+        msg = await replies.request(nc, subject, data, timeout=timeout, headers=headers)
     except nats.errors.NoRespondersError:
         hint = (
             "; is `dsec up` (or `dsec apiserver`) running against this NATS?"
@@ -415,6 +416,41 @@ async def request_raw(
 async def _respond_error(req: Request, err: errors.DsecError) -> None:
     body = err.to_wire().model_dump_json().encode()
     await req.respond_error(err.code, err.message[:200].replace("\n", " "), data=body)
+
+
+# What a JetStream call raises while the stream it needs has no leader (lost with a server,
+# being elected) or the cluster no quorum.
+STATE_DOWN = (
+    errors.StateUnavailable,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+)
+ELECTION_WAIT_S = 30.0  # how long a request that said no deadline waits for the state
+
+
+async def _through_elections(handler: Handler, req: Request) -> BaseModel | bytes:
+    """``handler(req)``, run again while the cluster's state does not answer, until its
+    caller stops waiting (less a second to answer; :data:`ELECTION_WAIT_S` if it did not
+    say): a NATS server lost takes its streams' leaders with it for the 4-9 s nats-server's
+    raft needs to elect others. Every request is safe to repeat (the SDK resends them too:
+    creates and commands by request id, the rest reads or idempotent). Then Unavailable."""
+    left = time_left()
+    until = time.monotonic() + (ELECTION_WAIT_S if left is None else left) - 1.0
+    pause = 0.1
+    while True:
+        try:
+            return await handler(req)
+        except STATE_DOWN as exc:
+            if time.monotonic() + pause > until:
+                log.warning("%s: the cluster's state did not answer in time: %r", req.subject, exc)
+                raise errors.Unavailable(
+                    "the cluster's state store (JetStream) did not answer in time: a NATS "
+                    "server lost? It elects new leaders within ~10 s; retry"
+                ) from None
+            await asyncio.sleep(pause)
+            pause = min(1.0, pause * 2)
 
 
 def time_left() -> float | None:
@@ -503,20 +539,23 @@ class _Endpoints:
                 waits = float("nan")
             if 0 <= waits <= 86_400:  # (a NaN is neither)
                 _deadline.set(time.monotonic() + waits)
+            working = replies.KeepAlive(req._msg._client, req._msg.reply)
             try:
-                result = await handler(req)
+                result = await _through_elections(handler, req)
             except errors.DsecError as exc:
-                await _respond_error(req, exc)
-                return
+                error: errors.DsecError | None = exc
             except ValidationError as exc:
-                await _respond_error(req, errors.InvalidArgument(validation_message(exc)))
-                return
+                error = errors.InvalidArgument(validation_message(exc))
             except Exception:  # its text may name host paths or processes: logged only
                 ref = secrets.token_hex(4)
                 log.exception("handler for %s failed (ref %s)", req.subject, ref)
-                await _respond_error(
-                    req, errors.Internal(f"an unexpected failure (ref {ref} in the log)")
-                )
+                error = errors.Internal(f"an unexpected failure (ref {ref} in the log)")
+            else:
+                error = None
+            finally:
+                working.cancel()
+            if error is not None:
+                await _respond_error(req, error)
                 return
             data = result if isinstance(result, bytes) else result.model_dump_json().encode()
             await req.respond(data)

@@ -107,6 +107,12 @@ class Unavailable(DsecError):
     default_retryable = True
 
 
+class StateUnavailable(Unavailable):
+    """The cluster's state (JetStream) did not answer: a NATS server was lost and its
+    streams are electing new leaders (4-9 s by nats-server's raft timeouts), or no quorum.
+    Services wait this out within their caller's deadline (see :mod:`dsec_kernel.bus`)."""
+
+
 class DeadlineExceeded(DsecError):
     code = "deadline_exceeded"
     default_retryable = True

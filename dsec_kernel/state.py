@@ -58,6 +58,12 @@ JOBS, POOLS, QUOTAS = "dsec-jobs", "dsec-pools", "dsec-quotas"
 BUCKETS = (NODES, SANDBOXES, TENANTS, JOBS, POOLS, QUOTAS)
 #: states of a sandbox that exists on its node
 LIVE = ("ready", "paused")
+# A mirror's watch is recreated after two heartbeats missed: a stream whose leader was lost
+# (its consumer with it) is followed again within seconds of the next leader's election,
+# not after nats-py's default 2 x 5 s (each attempt during the election fails and waits
+# another round).
+MIRROR_HEARTBEAT_S = 1.0
+ACK_SILENCE_S = 2.0  # no JetStream ack for this long: the message is sent again
 T = TypeVar("T")
 #: bcrypt's work factor for NATS passwords. The lowest: a token holds 256 random bits, so
 #: slowness adds nothing against guessing, and nats-server checks the hash on every connect
@@ -100,6 +106,8 @@ class Mirror(Generic[T]):
         self._prefix = f"$KV.{bucket}."
         self._loaded = asyncio.Event()
         self._sub = None
+        self.seq = 0  # the bucket's last change this copy has
+        self._moved = asyncio.Event()
 
     async def start(self) -> None:
         async def on_msg(msg) -> None:
@@ -117,6 +125,8 @@ class Mirror(Generic[T]):
                     value = None
                 if value is not None:
                     self.items[key] = (value, meta.sequence.stream)
+            self.seq = max(self.seq, meta.sequence.stream)
+            self._moved.set()
             if self._loaded.is_set():
                 if self.on_change:
                     self.on_change(key, value)
@@ -130,6 +140,7 @@ class Mirror(Generic[T]):
                     f"{self._prefix}>",
                     cb=on_msg,
                     ordered_consumer=True,
+                    idle_heartbeat=MIRROR_HEARTBEAT_S,
                     deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
                     inactive_threshold=300,
                     pending_msgs_limit=-1,
@@ -150,6 +161,21 @@ class Mirror(Generic[T]):
         if info.num_pending == 0 and not sent:
             self._loaded.set()
         await self._loaded.wait()
+
+    async def current(self, timeout: float = 5.0) -> None:
+        """Return once this copy has every change the bucket had when called (asked of the
+        stream's leader): after a server was lost, the watch may be seconds behind while it
+        is made again. StateUnavailable if it is not there within ``timeout``."""
+        last = (await self.js.stream_info(f"KV_{self.bucket}")).state.last_seq
+        deadline = time.monotonic() + timeout
+        while self.seq < last:
+            self._moved.clear()
+            try:
+                await asyncio.wait_for(self._moved.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                raise errors.StateUnavailable(
+                    f"this copy of the {self.bucket} bucket is behind ({self.seq} of {last})"
+                ) from None
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -308,23 +334,27 @@ class ClusterState:
     async def _publish_all(
         self, msgs: list[tuple[str, bytes, dict[str, str] | None]], timeout: float = 10.0
     ) -> list[int]:
-        """Publish to JetStream pipelined; returns the sequence numbers. Acks that do not come
-        within ``timeout`` (a stream's leader was lost and another is being elected) are
-        given up and those messages published again one by one; Unavailable if that fails."""
+        """Publish to JetStream pipelined; returns the sequence numbers. Once no ack has come
+        for :data:`ACK_SILENCE_S` (a stream's leader was lost with its server, or another is
+        being elected), the messages still unacknowledged are published again one by one
+        (:func:`publish`) within ``timeout``; StateUnavailable if they still are not taken."""
         if not msgs:
             return []
+        until = time.monotonic() + timeout
         futures = [await self.js.publish_async(s, d, headers=h) for s, d, h in msgs]
-        await asyncio.wait(futures, timeout=timeout)
+        waiting = set(futures)
+        while waiting:
+            done, waiting = await asyncio.wait(waiting, timeout=ACK_SILENCE_S)
+            if not done:
+                break
         seqs: list[int] = []
         for (subject, data, headers), fut in zip(msgs, futures, strict=True):
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 seqs.append(fut.result().seq)
                 continue
             fut.cancel()
-            try:
-                ack = await self.js.publish(subject, data, timeout=timeout, headers=headers)
-            except (nats.errors.Error, TimeoutError) as exc:
-                raise errors.Unavailable(f"JetStream did not take a write: {exc!r}") from None
+            left = max(1.0, until - time.monotonic())
+            ack = await publish(self.js, subject, data, headers=headers, timeout=left)
             seqs.append(ack.seq)
         return seqs
 
@@ -379,6 +409,31 @@ class ClusterState:
         if node is None:
             return mirror.items
         return {k: v for k, v in mirror.items.items() if v[0].node == node}
+
+
+async def publish(
+    js: JetStreamContext,
+    subject: str,
+    data: bytes,
+    *,
+    headers: dict[str, str] | None = None,
+    stream: str | None = None,
+    timeout: float = 10.0,
+) -> api.PubAck:
+    """Publish one message to JetStream and wait for its ack; published again while the
+    stream has no leader (lost with a server, being elected: 4-9 s) or an ack does not come
+    within :data:`ACK_SILENCE_S`, for at most ``timeout``; then StateUnavailable. Every copy
+    has one ``Nats-Msg-Id``: JetStream stores one of them (within its duplicate window)."""
+    headers = {**(headers or {}), "Nats-Msg-Id": secrets.token_hex(12)}
+    until = time.monotonic() + timeout
+    while True:
+        try:
+            wait = min(ACK_SILENCE_S, max(0.5, until - time.monotonic()))
+            return await js.publish(subject, data, timeout=wait, stream=stream, headers=headers)
+        except (nats.errors.Error, TimeoutError) as exc:
+            if time.monotonic() > until:
+                raise errors.StateUnavailable(f"JetStream did not take a write: {exc!r}") from None
+            await asyncio.sleep(0.25)
 
 
 async def ensure_replicas(js: JetStreamContext, name: str, replicas: int) -> None:

@@ -22,7 +22,7 @@ import nats.js.errors
 from nats.js import api
 from nats.js.client import JetStreamContext
 
-from dsec_kernel.state import ensure_replicas
+from dsec_kernel.state import ensure_replicas, publish
 from dsec_kernel.wire import CommandRecord, ExecResult
 
 __all__ = ["READ_BYTES", "Replays", "Trajectory", "stream", "subject"]
@@ -81,10 +81,11 @@ class Trajectory:
         self._made.add(tenant)
 
     async def append(self, tenant: str, sandbox_id: str, record: CommandRecord) -> int:
-        """Store one entry (acknowledged by JetStream); returns its sequence number."""
+        """Store one entry (acknowledged by JetStream, waiting out an election); returns its
+        sequence number."""
         await self._ensure(tenant)
         data = record.model_dump_json(exclude={"seq"}).encode()
-        ack = await self.js.publish(subject(tenant, sandbox_id), data, stream=stream(tenant))
+        ack = await publish(self.js, subject(tenant, sandbox_id), data, stream=stream(tenant))
         return ack.seq
 
     async def read(

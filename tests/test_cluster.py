@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import shutil
 import time
 from collections import Counter
@@ -55,6 +56,8 @@ async def cluster(tmp_path_factory):
             _start_edge(c, node)
         await c.ready(120)
         yield c
+        async with c.client() as client:  # what a failed test left
+            await client.destroy(await client.list())
     finally:
         c.stop()
 
@@ -130,6 +133,107 @@ async def test_every_bucket_and_stream_has_three_copies(cluster):
         await js.delete_key_value("dsec-scratch")
     finally:
         await nc.close()
+
+
+async def _info(js, stream: str):
+    """``stream``'s info, asked again while JetStream is between leaders (at most 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return await js.stream_info(stream)
+        except Exception:  # no leader to answer yet: nats raises several kinds
+            assert time.monotonic() < deadline, f"{stream} had no leader for 30 s"
+            await asyncio.sleep(0.1)
+
+
+async def _work_goes_on(c: dsec.AsyncClient, sb: dsec.Sandbox) -> str:
+    """A create, an exec in it and in an older sandbox, a list that has both, a read of the
+    older one's trajectory; then the new sandbox is destroyed. Returns each step's time."""
+    took = []
+    t = time.monotonic()
+
+    def step(name: str) -> None:
+        nonlocal t
+        took.append(f"{name} {time.monotonic() - t:.1f}")
+        t = time.monotonic()
+
+    [new] = await c.create(count=1, backend="container", env=BUSYBOX)
+    step("create")
+    r = await c.exec_many([sb, new], "echo on")
+    assert {x.stdout for x in r} == {b"on\n"}
+    step("exec")
+    assert {sb.id, new.id} <= {s.id for s in await c.list()}
+    step("list")
+    assert (await sb.trajectory())[-1].argv[-1] == "echo on"
+    step("trajectory")
+    await c.destroy([new])
+    step("destroy")
+    return ", ".join(took)
+
+
+@pytest.mark.parametrize(
+    "victim", ["KV_dsec-sandboxes", "KV_dsec-nodes", "KV_dsec-tenants", "trajectory", "random"]
+)
+async def test_sigkill_of_a_streams_leader_leaves_work_going_within_seconds(
+    cluster, victim, measured
+):
+    """The server leading ``victim``'s stream (or a random one) is SIGKILLed, and at once a
+    create, execs, a list and a trajectory read are asked for: they are done within
+    seconds, nothing is reported lost, and how long the elections took is reported. The
+    server then comes back and catches up for the next case."""
+    streams = [f"KV_{b}" for b in BUCKETS] + [trajectory_stream("default")]
+    nc = await bus.connect(cluster.url, name="test-leaders")
+    try:
+        js = nc.jetstream(timeout=0.5)  # a stream with no leader does not answer: ask again
+        async with cluster.client() as c:
+            [sb] = await c.create(count=1, backend="container", env=BUSYBOX)
+            await sb.exec("true")
+            if victim == "random":
+                server = random.choice(cluster.nats.servers)
+            else:
+                stream = trajectory_stream("default") if victim == "trajectory" else victim
+                leader = (await _info(js, stream)).cluster.leader
+                server = next(s for s in cluster.nats.servers if s.name == leader)
+            led = [s for s in streams if (await _info(js, s)).cluster.leader == server.name]
+            server.proc.kill()
+            t0 = time.monotonic()
+            elections = asyncio.ensure_future(_elected(js, led, server.name, t0))
+            steps = await asyncio.wait_for(_work_goes_on(c, sb), 30)
+            resumed = time.monotonic() - t0
+            elected = await elections
+            server.proc.wait()
+            measured("NATS failover (tests/test_cluster.py: SIGKILL of one of 3 servers)",
+                     f"{server.name} ({'random' if victim == 'random' else 'leader of ' + victim}"
+                     f", led {len(led)} of {len(streams)} streams): new leaders in "
+                     f"{elected:.1f} s; create, exec, list, trajectory, destroy done "
+                     f"{resumed:.1f} s after the kill ({steps})")  # fmt: skip
+            server.start()
+            await _caught_up(js, streams)
+            assert (await sb.status()).state == "ready"
+            await c.destroy([sb])
+    finally:
+        await nc.close()
+
+
+async def _elected(js, streams: list[str], dead: str, t0: float) -> float:
+    """Seconds from ``t0`` until each of ``streams`` has a leader other than ``dead``."""
+    for stream in streams:
+        while (await _info(js, stream)).cluster.leader in (None, dead):
+            await asyncio.sleep(0.1)
+    return time.monotonic() - t0
+
+
+async def _caught_up(js, streams: list[str]) -> None:
+    """Each of ``streams`` has a leader and two current replicas (at most 60 s)."""
+    deadline = time.monotonic() + 60
+    for stream in streams:
+        while True:
+            info = await _info(js, stream)
+            peers = info.cluster.replicas or []
+            if info.cluster.leader and len(peers) == 2 and all(p.current for p in peers):
+                break
+            assert time.monotonic() < deadline, f"{stream} did not catch up: {info.cluster}"
+            await asyncio.sleep(0.2)
 
 
 async def test_a_killed_node_loses_its_sandboxes_and_recover_rebuilds_them(cluster):

@@ -21,6 +21,7 @@ import pytest
 
 import dsec_kernel as dsec
 from dsec_kernel import bus, errors
+from dsec_kernel.replies import replies_of
 from dsec_kernel.state import ClusterState
 
 BUSYBOX = dsec.Env(base="busybox:1")
@@ -78,7 +79,7 @@ async def test_reply_injection_into_the_victims_inbox(platform, victim, attacker
         platform.victim.url, platform.victim.token
     )  # the victim's own view of its inbox
     victim_inbox = bus.Login.for_token(platform.victim.token).inbox_prefix
-    pending = victim._nc._resp_sub_prefix.decode()  # where the victim's replies come now
+    pending = (await replies_of(victim._nc)).prefix + "."  # where the victim's replies come
     heard: list[str] = []
 
     async def hear(msg) -> None:
