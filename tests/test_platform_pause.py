@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
+from pathlib import Path
 
 import pytest
 from dsec_backend_container.backend import ContainerBackend
+from dsec_backend_container.reclaim import hierarchy_root, paused_anywhere
 
 import dsec_kernel as dsec
 from dsec_kernel import bus, errors
@@ -225,3 +228,50 @@ async def test_the_cli_pauses_resumes_and_lists_why(cluster):
     assert "paused (requested)" in await dsec_cli("ls")
     assert "ready in" in await dsec_cli("resume", sid)
     await dsec_cli("destroy", sid)
+
+
+ZRAM_RECORD = Path("/run/dsec/zram-swap")
+
+
+def _dsec_swap() -> tuple[str, bytes] | None:
+    """The active device DSec's record names, and the UUID in its swap header (which tells
+    it from a later device of the same name)."""
+    swaps = [line.split()[0] for line in Path("/proc/swaps").read_text().splitlines()[1:]]
+    with contextlib.suppress(FileNotFoundError):
+        if (dev := ZRAM_RECORD.read_text().strip()) in swaps:
+            with open(dev, "rb") as f:
+                return dev, f.read(4096)[1036:1052]
+    return None
+
+
+async def test_the_nodes_swap_goes_when_nothing_on_it_is_paused(cluster):
+    """The edge makes zram swap at the first pause on a node with none; it goes once the
+    last paused sandbox is resumed, and again once it is destroyed."""
+    if not Path("/sys/class/zram-control").exists():
+        pytest.skip("no zram on this node: DSec makes no swap")
+    if active := [line.split()[0] for line in Path("/proc/swaps").read_text().splitlines()[1:]]:
+        pytest.skip(f"the node has swap already ({active}): this test needs a node without")
+
+    async def gone(said: tuple[str, bytes]) -> None:
+        for _ in range(200):
+            if _dsec_swap() != said:
+                return
+            await asyncio.sleep(0.05)
+        if paused_anywhere(hierarchy_root(Path("/sys/fs/cgroup/freezer"))):
+            pytest.skip("another edge on this node has a paused sandbox: the swap stays for it")
+        raise AssertionError(f"DSec's swap ({said}) is still there")
+
+    async with cluster.client() as c:
+        (sb,) = await c.create(backend="container", env=BUSYBOX)
+        try:
+            await sb.pause()
+            said = _dsec_swap()
+            assert said, Path("/proc/swaps").read_text()
+            await sb.resume()
+            await gone(said)
+            await sb.pause()
+            said = _dsec_swap()
+            assert said
+        finally:
+            await c.destroy([sb])
+        await gone(said)

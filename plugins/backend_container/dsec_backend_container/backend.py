@@ -14,6 +14,7 @@ No Python process stays per sandbox; an idle one costs its init and kernel objec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import logging
@@ -41,9 +42,9 @@ from dsec_backend_container.overlay import apply
 from dsec_backend_container.reclaim import (
     ZramSwap,
     freeze,
+    hierarchy_root,
     is_frozen,
     memory_charge,
-    paused_anywhere,
     reclaim,
 )
 from dsec_backend_container.seccomp import write_profile
@@ -225,6 +226,9 @@ class ContainerBackend(Backend):
         self._gc: asyncio.Task[None] | None = None
         self._watch_egress: asyncio.Task[None] | None = None
         self._watch_inodes: asyncio.Task[None] | None = None
+        self._watch_swap: asyncio.Task[None] | None = None
+        self._swap_check = asyncio.Event()  # a sandbox resumed or went: is swap still needed?
+        self._closing = False
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -311,17 +315,30 @@ class ContainerBackend(Backend):
             raise errors.InvalidArgument(f"egress configuration: {exc}") from None
         self.hooks = ctx.hooks
         self._denied: dict[str, int] = {}
-        self.swap = ZramSwap(self.config.zram_size_mb)
+        accounted = (self.cgroups.dirs["memory"] / "memory.memsw.usage_in_bytes").exists()
+        self._make_swap = self.config.pause_swap == "zram" and accounted
+        if self.config.pause_swap == "zram" and not accounted:
+            log.warning("the kernel does not account swap to memory cgroups (boot with "
+                        "swapaccount=1): DSec makes no swap for paused sandboxes, whose memory "
+                        "limits would not hold what they have there")  # fmt: skip
+        self.swap = ZramSwap(
+            self.config.zram_size_mb,
+            hierarchy_root(self.cgroups.dirs["freezer"]),
+            hierarchy_root(self.cgroups.dirs["memory"]),
+        )
         held = await asyncio.to_thread(self.store.adopt, self.node)
         for sandbox_id, pidfd in await asyncio.to_thread(self._adopt, held):
             self.inits.watch(sandbox_id, pidfd)
         self._gc = asyncio.create_task(self._collect())
         self._watch_egress = asyncio.create_task(self._report_denied())
         self._watch_inodes = asyncio.create_task(self._hold_inodes())
+        self._swap_check.set()  # a record left by an edge that died
+        self._watch_swap = asyncio.create_task(self._drop_swap())
 
     async def close(self) -> None:
         """Sandboxes stay (a restarted edge adopts them); an empty cgroup parent, an unused
-        egress bridge and the sandboxes' filesystem, if nothing is left on it, go."""
+        egress bridge, the node's zram swap if nothing on the node is paused, and the
+        sandboxes' filesystem, if nothing is left on it, go."""
         for task in (self._gc, self._watch_egress, self._watch_inodes):
             if task is not None:
                 task.cancel()
@@ -329,7 +346,10 @@ class ContainerBackend(Backend):
         await asyncio.to_thread(self.lanes.close)
         await asyncio.to_thread(self.trash.close)
         await asyncio.to_thread(self.egress.close)
-        await asyncio.to_thread(self._drop_swap)
+        if self._watch_swap is not None:  # a last look, after the one under way
+            self._closing = True
+            self._swap_check.set()
+            await self._watch_swap
         self.helper.close()
         for digest in self._staged:
             await asyncio.to_thread(self.store.release, digest, self._holder("prestaged"))
@@ -589,6 +609,7 @@ class ContainerBackend(Backend):
         memsw = group.dirs["memory"] / "memory.memsw.limit_in_bytes"
         if memsw.exists():  # the limit holds for RAM and swap together: swap is for pausing
             memsw.write_text(str(memory))
+        group.set("memory", "memory.swappiness", 0)  # and only a pause puts its memory there
         group.set("pids", "pids.max", limits.pids or c.pids)
         cpus = limits.cpus or c.cpus
         if cpus:
@@ -654,6 +675,7 @@ class ContainerBackend(Backend):
                     meta = None
             await asyncio.to_thread(self._cleanup, sd, meta, pidfd)
         self._locks.pop(ref.sandbox_id, None)
+        self._swap_check.set()
 
     async def status(self, ref: SandboxRef) -> SandboxStatus:
         if ref.sandbox_id not in self.metas:
@@ -692,18 +714,32 @@ class ContainerBackend(Backend):
             staged.append(_owned_ref(layer))
         return staged
 
-    def _drop_swap(self) -> None:
-        freezer_root = self.cgroups.dirs["freezer"].parent
-        self.swap.remove_if_unused(paused_anywhere(freezer_root))
+    async def _drop_swap(self) -> None:
+        """When a sandbox resumed or went (and every ``gc_interval_s``, for what that cannot
+        see: another edge's, a freeze for a snapshot meanwhile), and a last time at close:
+        remove the node's zram swap if nothing on the node is paused any more. In a thread:
+        the swapoff moves what resumed sandboxes still have in swap back to RAM."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._swap_check.wait(), self.config.gc_interval_s)
+            self._swap_check.clear()
+            try:
+                await asyncio.to_thread(self.swap.remove_if_unused)
+            except Exception:
+                log.exception("cannot remove the node's zram swap")
+            if self._closing and not self._swap_check.is_set():
+                return
 
     def _pause(self, sandbox_id: str) -> PauseReport:
-        if self.config.pause_swap == "zram" and (why := self.swap.ensure()):
-            log.warning("%s", why)
         group = self._group(sandbox_id)
-        started = time.perf_counter()
-        before, swapped_before = memory_charge(group)
-        freeze(group, True)
-        reclaim(group)
+        with self.swap.pausing(make=self._make_swap) as why:
+            if why:
+                log.warning("%s", why)
+            started = time.perf_counter()
+            before, swapped_before = memory_charge(group)
+            group.set("memory", "memory.swappiness", 100)  # a running sandbox's is 0
+            freeze(group, True)
+            reclaim(group)
         after, swapped = memory_charge(group)
         return PauseReport(
             sandbox_id=sandbox_id, state="paused", seconds=time.perf_counter() - started,
@@ -716,7 +752,9 @@ class ContainerBackend(Backend):
             meta = self._meta(ref.sandbox_id)
             group = self._group(meta.id)
             started = time.perf_counter()
+            group.set("memory", "memory.swappiness", 0)
             await asyncio.to_thread(freeze, group, False)
+            self._swap_check.set()
             ram, swapped = memory_charge(group)
             return PauseReport(
                 sandbox_id=meta.id, state="ready", seconds=time.perf_counter() - started,

@@ -392,23 +392,3 @@ async def test_pause_reclaims_memory_into_compressed_swap(backend, box):
     assert back.memory_before_bytes > 40 << 20, back
     r = await sh(backend, box, "ps -o args | grep -c '^sh /tmp/hold.sh'")
     assert r.stdout == b"1\n", r
-
-
-async def test_zram_swap_is_shared_and_goes_when_nothing_is_paused(backend, box):
-    from dsec_backend_container.reclaim import ZramSwap
-
-    ref = SandboxRef(sandbox_id=box)
-    had = ZramSwap.active()
-    await backend.pause(ref)
-    swap = backend.swap
-    if not swap.record.exists():
-        await backend.resume(ref)
-        pytest.skip(f"the node has swap of its own ({had}) or no zram: DSec makes none")
-    now = ZramSwap.active()
-    assert ZramSwap(64, swap.record).ensure() is None and ZramSwap.active() == now  # one only
-    swap.remove_if_unused(paused_on_node=True)
-    assert ZramSwap.active() == now  # kept while a sandbox is paused
-    await backend.resume(ref)
-    dev = swap.record.read_text()
-    swap.remove_if_unused(paused_on_node=False)
-    assert dev not in ZramSwap.active() and not swap.record.exists()
