@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dsec_backend_container.fsdiff import diff
 from dsec_backend_container.helper import Helper, compiler
@@ -102,10 +102,27 @@ DEFAULT_ENV = {
 }
 
 
+# settings renamed since they were released: a node's environment outlives an upgrade
+RENAMED = {"egress_bridge": "egress_name"}
+
+
 class ContainerConfig(BaseModel):
-    """``DSEC_BACKEND_CONFIG__CONTAINER__<FIELD>``; see the plugin's README."""
+    """``DSEC_BACKEND_CONFIG__CONTAINER__<FIELD>``; see the plugin's README. A setting's old
+    name (:data:`RENAMED`) is taken as its new one, with a warning."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and RENAMED.keys() & data.keys():
+            data = dict(data)
+            for old, new in RENAMED.items():
+                if old in data:
+                    log.warning("container setting %s is now %s: taken as that", old, new)
+                    value = data.pop(old)
+                    data.setdefault(new, value)
+        return data
 
     storage: str | None = Field(None, description="the dsec.storage driver (default DSEC_STORAGE)")
     storage_config: dict[str, Any] | None = Field(
