@@ -191,15 +191,24 @@ async def destroy_all(cluster: LocalCluster) -> None:
         await c.destroy(await c.list())
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    """``workdir(page)``: the working directory the blocks of ``page`` share."""
-    dirs: dict[Path, Path] = {}
+@dataclass
+class Reader:
+    """Someone following one page: the working directory its blocks share, and why they
+    stopped (a block that could not run here: the ones after it may need what it makes)."""
 
-    def get(page: Path) -> Path:
-        if page not in dirs:
-            dirs[page] = tmp_path_factory.mktemp(page.parent.name + "-" + page.stem)
-        return dirs[page]
+    dir: Path
+    stopped: str = ""
+
+
+@pytest.fixture(scope="module")
+def readers(tmp_path_factory):
+    """``readers(page)``: the page's Reader."""
+    made: dict[Path, Reader] = {}
+
+    def get(page: Path) -> Reader:
+        if page not in made:
+            made[page] = Reader(tmp_path_factory.mktemp(page.parent.name + "-" + page.stem))
+        return made[page]
 
     return get
 
@@ -217,9 +226,12 @@ def check_prints(block: Block, stdout: str) -> None:
 
 
 @pytest.mark.parametrize("block", RUN, ids=str)
-def test_block_runs(block, platform, workdir, tmp_path):
+def test_block_runs(block, platform, readers, tmp_path):
     if CONTAINER and re.search(r"container|dsec layer", block.text):
         pytest.skip(f"{block} needs the container backend, which cannot run here: {CONTAINER}")
+    reader = readers(block.page)
+    if reader.stopped:
+        pytest.skip(f"{block} comes after {reader.stopped}")
     if block.lang == "python":
         program = tmp_path / "block.py"
         argv = [sys.executable, str(program)]
@@ -228,12 +240,13 @@ def test_block_runs(block, platform, workdir, tmp_path):
         argv = ["bash", "-euo", "pipefail", str(program)]
     program.write_text(block.text)
     proc = subprocess.run(
-        argv, cwd=workdir(block.page), env=platform, capture_output=True, text=True, timeout=300
+        argv, cwd=reader.dir, env=platform, capture_output=True, text=True, timeout=300
     )
     out = f"{proc.stdout}\n{proc.stderr}"
     downloads = re.search(r"pip download|dsec layer build", block.text)
     if proc.returncode and downloads and (offline := OFFLINE.search(out)):
-        pytest.skip(f"{block} downloads packages, and the network said {offline[0]!r}")
+        reader.stopped = f"{block}, which downloads packages, and the network said {offline[0]!r}"
+        pytest.skip(reader.stopped)
     where = f"{block} exited with {proc.returncode} (its line 1 is the page's {block.line + 1})"
     assert proc.returncode == 0, f"{where}:\n{out[-5000:]}"
     if block.lang == "python":
