@@ -29,6 +29,7 @@ import os
 import re
 import stat
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,7 @@ __all__ = [
     "Tree",
     "apply",
     "copy_entry",
+    "date_dirs",
     "is_whiteout",
     "kind_at",
     "lookup",
@@ -500,15 +502,39 @@ def kind_at(tree: Tree, rel: str) -> str | None:
         return None
 
 
+def date_dirs(tree: Tree, listing: dict[str, Entry], dirs: Iterable[str], top: Tree) -> None:
+    """Give each of the directories ``dirs`` of ``tree`` its mtime in ``listing``, and the
+    root of ``tree`` that of ``top``'s (the tree ``listing`` is of): what is written into a
+    directory after it was copied dates it now (a published layer's directories had the
+    time of the publish, so no two publishes of one tree were one image). Reached through
+    the trees' descriptors; what is no longer a directory there is left alone."""
+    mtime = os.fstat(top.dir("")).st_mtime_ns
+    os.utime(tree.dir(""), ns=(mtime, mtime))
+    for rel in dirs:
+        e = listing.get(rel)
+        if e is None or e.kind != "d":
+            continue
+        try:
+            d, name = tree.parent(rel)
+            os.utime(name, ns=(e.mtime_ns, e.mtime_ns), dir_fd=d, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+
+
 def apply(delta: Path, target: Path, keep_whiteouts: bool = True) -> None:
-    """Apply one delta tree onto ``target`` with overlay semantics (later wins).
+    """Apply one delta tree onto ``target`` with overlay semantics (later wins), the
+    delta's directories keeping their mtimes.
 
     With ``keep_whiteouts`` (the result is itself a delta), deletions stay as whiteouts so
     they still hide paths of the layers below; without, they are simply removed.
     """
     links: Links = {}
+    listing = scan(delta)
     with Tree(delta) as src, Tree(target) as dst:
-        for rel, e in scan(delta).items():
+        for rel, e in listing.items():
             checkpoint()
             if e.kind == "w":
                 remove(dst, rel)
@@ -524,3 +550,4 @@ def apply(delta: Path, target: Path, keep_whiteouts: bool = True) -> None:
             else:
                 remove(dst, rel)
                 copy_entry(src, dst, rel, links=links)
+        date_dirs(dst, listing, listing, src)

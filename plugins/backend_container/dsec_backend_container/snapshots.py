@@ -46,6 +46,7 @@ from dsec_backend_container.overlay import (
     Tree,
     apply,
     copy_entry,
+    date_dirs,
     kind_at,
     remove,
     scan,
@@ -323,6 +324,7 @@ def _copy_changes(
                     raise
             remove(dst, rel)
             whiteout(dst, rel)
+        date_dirs(dst, now, made, src)
     return size
 
 

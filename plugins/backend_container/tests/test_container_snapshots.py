@@ -166,6 +166,42 @@ async def test_a_snapshot_published_as_a_layer_starts_new_sandboxes(backend):
         await backend.destroy(SandboxRef(sandbox_id=sb.id))
 
 
+#: a tree of dated files and directories, and their dates as ``stat`` prints them
+DATED = (
+    "mkdir -p /work/a/b && echo x > /work/a/b/f && touch -d @1000000 /work/a/b/f /work/a/b "
+    "/work/a /work /"
+)
+STAMPS = "stat -c '%Y %n' /work /work/a /work/a/b /work/a/b/f"
+
+
+async def test_directories_keep_their_dates_through_snapshots_restores_and_publishes(backend):
+    """A directory's mtime is the sandbox's, not the time its snapshot or publish wrote into
+    it: a restore gives it back, and two publishes of the same files are one image (a
+    toolkit built twice from the same pins, say)."""
+    sb = new()
+    await backend.create(sb)
+    try:
+        await sh(backend, sb.id, DATED)
+        snap = await backend.snapshot(SnapshotRequest(sandbox_id=sb.id))
+        await sh(backend, sb.id, "rm -r /work; mkdir /work")
+        await backend.restore(RestoreRequest(sandbox_id=sb.id, snapshot_id=snap.id))
+        paths = STAMPS.split("' ")[1].split()
+        assert (await sh(backend, sb.id, STAMPS)).decode().splitlines() == [
+            f"1000000 {path}" for path in paths
+        ]
+        digests = set()
+        for version in ("1", "2"):
+            await sh(backend, sb.id, f"sleep 1; {DATED}")  # written again, a second later
+            again = await backend.snapshot(SnapshotRequest(sandbox_id=sb.id))
+            req = PublishRequest(
+                snapshot_id=again.id, kind="toolkit", name="dated", version=version, tenant="t"
+            )
+            digests.add((await backend.publish(req)).digest)
+        assert len(digests) == 1, digests
+    finally:
+        await backend.destroy(SandboxRef(sandbox_id=sb.id))
+
+
 async def test_a_snapshot_pins_its_layers_until_it_is_collected(backend, tmp_path):
     tree = tmp_path / "tk"
     (tree / "opt").mkdir(parents=True)
