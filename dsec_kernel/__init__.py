@@ -29,6 +29,7 @@ _EXPORTS = {
     "DestroyReport": "dsec_kernel.sdk",
     "NotCreated": "dsec_kernel.sdk",
     "check": "dsec_kernel.sdk",
+    "build_toolkit": "dsec_kernel.sdk.toolkits",
     "PauseReport": "dsec_kernel.wire",
     "Env": "dsec_kernel.wire",
     "FsDiff": "dsec_kernel.wire",
@@ -108,6 +109,7 @@ if TYPE_CHECKING:
         SyncSandbox,
         check,
     )
+    from dsec_kernel.sdk.toolkits import build_toolkit
     from dsec_kernel.wire import (
         Env,
         ExecResult,

@@ -18,8 +18,8 @@ by content whoever owns the records; holds, pins and snapshots are per digest.
 
 A *recipe* (entry-point group ``dsec.recipes``, :class:`LayerRecipe`) builds the tree of one
 well-known layer, such as a base image, so that ``dsec layer build NAME`` can make it without
-a root filesystem at hand; :func:`ensure_layer` imports a tree only if the store lacks its
-layer.
+a root filesystem at hand (with more packages, ``--packages``, as a version of its own);
+:func:`ensure_layer` imports a tree only if the store lacks its layer.
 
 The store has a *catalog* (layers, their images, snapshots) on a filesystem every node can
 reach (3FS, CephFS, NFS... or a local directory on one machine) and a *node side*: each node
@@ -31,15 +31,16 @@ callers run them in a thread. Failures raise :class:`~dsec_kernel.errors.DsecErr
 from __future__ import annotations
 
 import abc
+import hashlib
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_kernel.backend import NoConfig
-from dsec_kernel.errors import NotFound
+from dsec_kernel.errors import InvalidArgument, NotFound
 from dsec_kernel.wire.base import NAME_PATTERN
 
 __all__ = [
@@ -216,14 +217,41 @@ class LayerRecipe(abc.ABC):
     """How to build the tree of one layer, ``name:version`` of ``kind`` (entry-point group
     ``dsec.recipes``; the entry point's name is what ``dsec layer build`` takes).
 
+    A recipe may take more packages to install (``dsec layer build NAME --packages a,b``):
+    ``packages_from`` says from where (None: it takes none). Built with packages beyond its
+    own, a recipe makes another version of its layer, named after them
+    (:meth:`version_for`), so that it can never be taken for the default.
+
     A recipe must be reproducible: built again, later or on another machine, from the same
     inputs (the same packages, the same binary), its tree gives the same image, so that every
     store and every node agrees on what ``name:version`` holds."""
 
     kind: ClassVar[Kind]
     name: ClassVar[str]
-    version: ClassVar[str]
+    version: str  # the default's; an instance with more packages has its own
     summary: ClassVar[str]  # one line: what the tree holds, and what building it takes
+    packages_from: ClassVar[str | None] = None  # e.g. "Debian 12"; None: takes no packages
+
+    def __init__(self, packages: Sequence[str] = ()) -> None:
+        """The recipe with ``packages`` added to its own. InvalidArgument for a recipe that
+        takes none, or for a name that is not a package name of ``packages_from``."""
+        if packages and self.packages_from is None:
+            raise InvalidArgument(f"recipe {self.name} takes no packages")
+        self.extra = self.extra_packages(packages)
+        self.version = self.version_for(self.extra)
+
+    @classmethod
+    def extra_packages(cls, packages: Sequence[str]) -> tuple[str, ...]:
+        """``packages`` beyond the recipe's own, checked, without repeats, in one order."""
+        return tuple(sorted(set(packages)))
+
+    @classmethod
+    def version_for(cls, extra: Sequence[str]) -> str:
+        """The version of the layer built with ``extra`` packages: the default's if none,
+        else ``<default>-<8 hex digits of sha256 of the names, comma-separated>``."""
+        if not extra:
+            return cls.version
+        return f"{cls.version}-{hashlib.sha256(','.join(extra).encode()).hexdigest()[:8]}"
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

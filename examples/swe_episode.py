@@ -3,8 +3,8 @@
     dsec up -- python3 examples/swe_episode.py
 
 The workspace is more-itertools 10.2.0, its sdist from PyPI (with its 774 tests), as a
-workspace layer on a Debian 12 + python3 base layer (built by debootstrap the first time,
-~40 s, then cached). The episode: run the tests, apply an edit (the agent breaks
+workspace layer on the Debian 12 base (python3, pip, git, build tools; built by debootstrap
+the first time, 1-2 min, then cached). The episode: run the tests, apply an edit (the agent breaks
 ``chunked(strict=True)``), snapshot, run them again, restore after more changes, then fork 8
 variants from the snapshot that each try a different fix, and see which pass. Each step
 prints its structured result.

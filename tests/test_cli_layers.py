@@ -95,3 +95,18 @@ def test_a_layer_imported_under_any_name_the_store_takes_can_be_removed(layer_cl
 def test_the_command_line_takes_the_layer_references_the_wire_does():
     assert _REF.pattern == TypeAdapter(LayerRef).json_schema()["pattern"]
     assert re.fullmatch(_REF, "debian-python:12") and not re.fullmatch(_REF, "-x:1")
+
+
+def test_packages_and_toolkit_arguments_go_only_where_they_belong(layer_cli):
+    for args, said in [
+        (["busybox", "--packages", "ripgrep"], "recipe busybox takes no packages"),
+        (["debian-python", "--packages", "ripgrep,Bad"], "--packages: 'Bad' is not a Debian"),
+        (["busybox", "pytest:8.3"], "NAME:VERSION and --pip are for toolkits"),
+        (["toolkit", "--pip", "pytest"], "a toolkit takes NAME:VERSION and --pip REQ..."),
+        (["toolkit", "pytest:8.3"], "--pip: name at least one requirement"),
+    ]:
+        r = layer_cli("build", *args)
+        assert r.returncode == exitcodes.BY_CODE["invalid_argument"], (args, r.stderr)
+        assert said in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert layer_cli("ls", "--json").stdout == ""  # nothing built
+    assert "dsec layer build toolkit NAME:VERSION --pip REQ..." in layer_cli("build").stdout

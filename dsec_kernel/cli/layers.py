@@ -1,15 +1,18 @@
 """``dsec layer``: the layer store, worked on directly (no apiserver, no NATS).
 
 ``build`` makes a well-known layer from a recipe (entry-point group ``dsec.recipes``) if the
-store lacks it; ``import`` makes one from a directory, a tar archive or an OCI image layout;
-``ls``, ``rm`` and ``gc`` keep the catalog. A layer is printed as one line, ``name:version kind
-digest size files``, or with ``--json`` as its record.
+store lacks it, or a toolkit of pip packages through a running DSec (``build toolkit``: in a
+sandbox of its base, :mod:`dsec_kernel.sdk.toolkits`); ``import`` makes one from a directory,
+a tar archive or an OCI image layout; ``ls``, ``rm`` and ``gc`` keep the catalog. A layer is
+printed as one line, ``name:version kind digest size files``, or with ``--json`` as its
+record. A build's steps go to stderr as they come (:class:`_Steps`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from dsec_kernel import errors
@@ -30,9 +33,16 @@ def run_layer(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     if args.layer_cmd == "build" and args.recipe is None:
         return _recipes(args.json)
+    if args.layer_cmd == "build" and args.recipe == "toolkit":
+        return _toolkit(args, console)
     store = open_store()
     if args.layer_cmd == "build":
-        _print(_build(store, args.recipe, console), args.json)
+        if args.ref or args.pip:
+            raise errors.InvalidArgument(
+                f"NAME:VERSION and --pip are for toolkits (dsec layer build toolkit "
+                f"NAME:VERSION --pip REQ...), not for recipe {args.recipe}"
+            )
+        _print(_build(store, args.recipe, args.packages, console), args.json)
     elif args.layer_cmd == "import":
         with console.status("importing") as status:
             layer = store.import_layer(
@@ -52,12 +62,14 @@ def run_layer(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build(store: LayerStore, name: str, console: Console) -> Layer:
-    """The recipe's layer: from the store, else built and imported."""
+def _build(store: LayerStore, name: str, packages: list[str], console: Console) -> Layer:
+    """The recipe's layer (with ``packages`` added): from the store, else built and
+    imported."""
     from dsec_kernel.plugins import load_drivers
     from dsec_kernel.storage import ensure_layer
 
-    recipe = load_drivers("dsec.recipes", [name])[name].obj  # PluginLoadError lists the others
+    cls = load_drivers("dsec.recipes", [name])[name].obj  # PluginLoadError lists the others
+    recipe = cls(packages)
     ref = f"{recipe.name}:{recipe.version}"
     try:
         layer = store.resolve(recipe.name, recipe.version, recipe.kind)
@@ -68,15 +80,104 @@ def _build(store: LayerStore, name: str, console: Console) -> Layer:
         return layer
     if reason := recipe.unavailable_reason():
         raise errors.Unavailable(f"recipe {name} cannot build here: {reason}", retryable=False)
-    with console.status(f"{ref}: building") as status:
-
-        def say(step: str) -> None:
-            status.update(f"{ref}: {step}")
-
+    if recipe.extra:
+        print(f"dsec: {ref} is {recipe.name}:{cls.version} with {','.join(recipe.extra)}",
+              file=sys.stderr)  # fmt: skip
+    with _Steps(console, ref) as say:
         return ensure_layer(
             store, recipe.kind, recipe.name, recipe.version,
-            lambda tree: recipe().build(tree, say), say,
+            lambda tree: recipe.build(tree, say), say,
         )  # fmt: skip
+
+
+def _toolkit(args: argparse.Namespace, console: Console) -> int:
+    """``dsec layer build toolkit NAME:VERSION --pip REQ...``, through the running DSec."""
+    import asyncio
+
+    from dsec_kernel.sdk import AsyncClient
+    from dsec_kernel.sdk.toolkits import build_toolkit, check_requirements
+
+    if args.ref is None or args.packages:
+        not_packages = " (not --packages)" if args.packages else ""
+        raise errors.InvalidArgument(
+            f"a toolkit takes NAME:VERSION and --pip REQ...{not_packages}, e.g. dsec layer "
+            "build toolkit pytest:8.3 --pip 'pytest==8.3.*'"
+        )
+
+    check_requirements(args.pip or [])
+    try:
+        cert = args.cert.read_bytes() if args.cert else None
+    except OSError as e:
+        raise errors.InvalidArgument(f"--cert: cannot read {args.cert}: {e.strerror}") from None
+
+    async def build() -> Any:
+        async with AsyncClient() as c:
+            with _Steps(console, args.ref, every_line=True) as say:
+                return await build_toolkit(
+                    c, args.ref, args.pip or [], base=args.base, timeout=args.timeout,
+                    cert=cert, progress=say,
+                )  # fmt: skip
+
+    layer = asyncio.run(build())
+    if args.json:
+        from dsec_kernel.cli import _json_line
+
+        _json_line(layer)
+    else:
+        print(f"{layer.name}:{layer.version} {layer.kind} {layer.digest} {layer.size} bytes")
+    return 0
+
+
+class _Steps:
+    """A build's progress on stderr, as a callable taking each step (``"phase: detail"``).
+    On a terminal, a live line shows the latest step and the time taken. Everywhere, a line
+    is kept for each phase when the next begins (its last detail and its seconds), and off
+    a terminal every 10 s of a long phase; with ``every_line`` (pip's output), each step is
+    kept as it comes."""
+
+    def __init__(self, console: Console, ref: str, every_line: bool = False) -> None:
+        self.console, self.ref, self.every_line = console, ref, every_line
+        self.start = self.since = self.said = time.monotonic()
+        self.phase, self.last = "", ""
+
+    def __enter__(self) -> _Steps:
+        self.status = self.console.status(f"{self.ref}: starting")
+        self.status.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.status.__exit__(*exc)
+        if exc[0] is None:
+            if not self.every_line:
+                self._keep()
+            self.console.print(f"{self.ref}: done in {time.monotonic() - self.start:.0f} s",
+                               highlight=False)  # fmt: skip
+
+    def __call__(self, step: str) -> None:
+        from rich.text import Text
+
+        phase = step.partition(":")[0] if ": " in step else step
+        now = time.monotonic()
+        if self.every_line:
+            self.console.print(f"{self.ref}: {step}", highlight=False, markup=False)
+        elif phase != self.phase:
+            self._keep()
+            self.phase, self.since = phase, now
+        elif not self.console.is_terminal and now - self.said >= 10:
+            self.console.print(f"{self.ref}: {step}", highlight=False, markup=False)
+            self.said = now
+        self.last = step
+        line = f"{self.ref}: {step} ({now - self.start:.0f} s)"
+        self.status.update(Text(line, no_wrap=True, overflow="ellipsis"))
+
+    def _keep(self) -> None:
+        """The line kept for the phase that ends."""
+        if self.last:
+            took = time.monotonic() - self.since
+            self.console.print(f"{self.ref}: {self.last} ({took:.1f} s)", highlight=False,
+                               markup=False)  # fmt: skip
+            self.said = time.monotonic()
+        self.last = ""
 
 
 def _recipes(as_json: bool) -> int:
@@ -104,6 +205,11 @@ def _recipes(as_json: bool) -> int:
             _json_line(row)
     if not as_json:
         Console().print(table)
+        print(
+            "and toolkit: dsec layer build toolkit NAME:VERSION --pip REQ... [--base "
+            "debian-python:12] makes a toolkit of pip packages in a sandbox of its base (needs "
+            "a running DSec: dsec up)"
+        )
     return 0
 
 

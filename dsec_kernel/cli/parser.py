@@ -9,6 +9,7 @@ argument as it was typed (:class:`UsageError`), exit status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -184,9 +185,52 @@ def parser() -> argparse.ArgumentParser:
     s = command("layer", "manage layers in the layer store (DSEC_STORAGE_CONFIG__ROOT)")
     lsub = s.add_subparsers(dest="layer_cmd", required=True, metavar="ACTION",
                             parser_class=_Parser)  # fmt: skip
-    lb = lsub.add_parser("build", help="make a well-known layer from a recipe, if not there yet",
-                         formatter_class=_Help)  # fmt: skip
-    lb.add_argument("recipe", nargs="?", help="the recipe, e.g. busybox (none: list them)")
+    lb = lsub.add_parser(
+        "build", help="make a well-known layer from a recipe, if not there yet",
+        description="make a well-known layer from a recipe, if the store lacks it: dsec layer "
+        "build debian-python [--packages a,b]; or a toolkit of pip packages, built in a "
+        "sandbox of the base it is for (needs a running DSec: dsec up): dsec layer build "
+        "toolkit pytest:8.3 --pip 'pytest==8.3.*' hypothesis",
+        formatter_class=_Help,
+    )  # fmt: skip
+    lb.add_argument(
+        "recipe", nargs="?", help="the recipe, e.g. debian-python, or toolkit (none: list them)"
+    )
+    lb.add_argument(
+        "ref",
+        nargs="?",
+        type=_ref,
+        metavar="NAME:VERSION",
+        help="toolkit: the layer to make, e.g. pytest:8.3",
+    )
+    lb.add_argument(
+        "--packages",
+        type=_csv,
+        default=[],
+        metavar="A,B",
+        help="more packages for a recipe that takes them (debian-python: Debian "
+        "packages); the layer is then VERSION-<hash of them>, e.g. "
+        "debian-python:12-1a2b3c4d",
+    )
+    lb.add_argument(
+        "--pip",
+        nargs="+",
+        metavar="REQ",
+        help="toolkit: what pip installs (requirements, as pip takes them)",
+    )
+    lb.add_argument(
+        "--base",
+        type=_ref,
+        default="debian-python:12",
+        help="toolkit: the base it is built in and for",
+    )
+    lb.add_argument(
+        "--timeout", type=_positive, default=900.0, help="toolkit: seconds pip may take"
+    )
+    lb.add_argument("--cert", type=Path, default=os.environ.get("PIP_CERT") or None,
+                    metavar="FILE",
+                    help="toolkit: a CA bundle pip in the sandbox trusts, where a proxy re-signs "
+                    "TLS (default: $PIP_CERT, as pip on this host; none: the base's)")  # fmt: skip
     lb.add_argument("--json", action="store_true", help="the layer's record (the recipes) as JSON")
     li = lsub.add_parser("import", help="import a directory, tarball or OCI image layout",
                          formatter_class=_Help)  # fmt: skip

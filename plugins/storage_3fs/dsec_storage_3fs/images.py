@@ -6,29 +6,35 @@
   /home``. Reproducible: every entry gets busybox's mtime, so the same busybox binary gives
   the same image digest on every node. Conventionally ``busybox:1`` (base).
 * :func:`debian_tree` — Debian 12 ``minbase`` by debootstrap with extra packages (default
-  python3; about 45 s from a nearby mirror), apt caches trimmed. Reproducible: the same
-  packages from the same mirror give the same tree, whenever and on whichever machine it is
-  built (:func:`normalize_debian_tree`). Conventionally ``debian-python:12`` (base).
+  :data:`SWE_PACKAGES`: python3 with pip, venv and its headers, git, build-essential; about
+  80 s from a nearby mirror), apt caches trimmed, debootstrap's steps reported as they go.
+  Reproducible: the same packages from the same mirror give the same tree, whenever and on
+  whichever machine it is built (:func:`normalize_debian_tree`). Conventionally
+  ``debian-python:12`` (base).
 * :class:`Busybox` and :class:`DebianPython` — those two as recipes (entry-point group
-  ``dsec.recipes``: ``dsec layer build busybox``, ``dsec layer build debian-python``), the
-  Debian tree debootstrapped once per machine and cached.
+  ``dsec.recipes``: ``dsec layer build busybox``, ``dsec layer build debian-python
+  [--packages a,b]``), each Debian tree debootstrapped once per machine and cached.
 * :func:`ensure_layer` (the kernel's) — resolve ``name:version``, or build the tree and
   import it; :func:`debian_python` — ``debian-python:12`` that way.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import email.utils
+import fcntl
 import os
+import re
 import shutil
 import signal
 import stat
 import subprocess
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from dsec_kernel.errors import Internal, Unavailable
+from dsec_kernel.errors import Internal, InvalidArgument, Unavailable
 from dsec_kernel.storage import Layer, LayerRecipe, LayerStore, Progress, ensure_layer
 from dsec_storage_3fs.mounts import unmount_under
 
@@ -37,6 +43,7 @@ __all__ = [
     "BUSYBOX",
     "DEBIAN_MIRROR",
     "NAMESERVERS",
+    "SWE_PACKAGES",
     "Busybox",
     "DebianPython",
     "busybox_tree",
@@ -48,6 +55,15 @@ __all__ = [
 
 BUSYBOX = Path("/usr/bin/busybox")
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
+#: what ``debian-python:12`` installs on minbase: what a software-engineering task takes to
+#: run a Python project's tests (python3; pip and venv to install it and its dependencies;
+#: the headers, C and C++ compilers and make that building extensions from sdists takes;
+#: git). build-essential rather than gcc, g++, make and libc6-dev alone: the rest it brings
+#: (dpkg-dev, patch, xz-utils, bzip2) is 6 MB of the tree's 607 MB, and patch and xz are
+#: tools such tasks use
+SWE_PACKAGES = ("python3", "python3-pip", "python3-venv", "python3-dev", "git", "build-essential")
+#: a Debian package name (Debian policy 5.6.1), which is all ``--include`` takes (no versions)
+_DEBIAN_PACKAGE = re.compile(r"^[a-z0-9][a-z0-9+.-]+$")
 _NO_DEBOOTSTRAP = "debootstrap is not installed (apt-get install debootstrap)"
 # /etc/resolv.conf of Debian trees (debootstrap copies the host's: a resolver of the host's
 # network, which a sandbox's egress cannot reach): public resolvers, which it can
@@ -107,15 +123,18 @@ def _applets() -> list[str]:
 
 def debian_tree(
     dest: Path,
-    packages: Iterable[str] = ("python3",),
+    packages: Iterable[str] = SWE_PACKAGES,
     mirror: str | None = None,
     timeout: float = 900.0,
+    progress: Progress | None = None,
 ) -> Path:
     """Install Debian 12 (bookworm) ``minbase`` plus ``packages`` into ``dest`` with
     debootstrap, then drop apt's caches and what says when and where it was built
-    (:func:`normalize_debian_tree`). Unavailable if debootstrap is missing or fails (its
-    output's tail says why; usually the mirror). On failure or timeout nothing it started
-    keeps running and nothing stays mounted under ``dest``."""
+    (:func:`normalize_debian_tree`). ``progress`` hears each of debootstrap's steps as it
+    comes (``"retrieving packages: 37 (git 1:2.39.5-0+deb12u2)"``, ``"configuring packages:
+    120/191 (git)"``). Unavailable if debootstrap is missing or fails (its output's tail
+    says why; usually the mirror). On failure or timeout nothing it started keeps running
+    and nothing stays mounted under ``dest``."""
     exe = shutil.which("debootstrap")
     if exe is None:
         raise Unavailable(_NO_DEBOOTSTRAP, retryable=False)
@@ -131,28 +150,82 @@ def debian_tree(
         errors="replace",
         start_new_session=True,  # its own process group: one kill reaches dpkg, chroot...
     )
+    late = threading.Event()
+
+    def stop_late() -> None:
+        late.set()
+        _kill_group(proc)
+
+    timer = threading.Timer(timeout, stop_late)
+    timer.start()
+    tail: collections.deque[str] = collections.deque(maxlen=30)
+    steps = _DebootstrapSteps(progress or (lambda _step: None))
+    assert proc.stdout is not None
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except BaseException as e:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        for line in proc.stdout:
+            tail.append(line)
+            steps.line(line)
+        proc.wait()
+    except BaseException:
+        _kill_group(proc)
         proc.wait()
         unmount_under(dest)
-        if isinstance(e, subprocess.TimeoutExpired):
+        raise
+    finally:
+        timer.cancel()
+        proc.stdout.close()
+    if proc.returncode:
+        unmount_under(dest)
+        if late.is_set():
             raise Unavailable(
                 f"debootstrap from {mirror} did not finish in {timeout:.0f} s; stopped it",
                 retryable=False,
-            ) from None
-        raise
-    if proc.returncode:
-        unmount_under(dest)
+            )
+        said = [line for line in tail if line[:3] in ("E: ", "W: ")] or list(tail)[-3:]
         raise Unavailable(
-            f"debootstrap of bookworm from {mirror} failed (exit {proc.returncode}); "
-            f"check the mirror is reachable. Last output: {out.strip()[-1500:]}",
+            f"debootstrap of bookworm from {mirror} failed (exit {proc.returncode}); check "
+            "the mirror is reachable and the packages exist. It said: "
+            + " / ".join(line.strip()[:300] for line in said[-3:]),
             retryable=False,
         )
     normalize_debian_tree(dest)
     return dest
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+class _DebootstrapSteps:
+    """debootstrap's ``I: <Step> <package> [<version>]`` lines as progress: each package
+    retrieved or extracted (the required ones) is counted, and each unpacked or configured
+    counted out of those retrieved; its other steps (resolving dependencies...) are passed
+    on as they are."""
+
+    _COUNTED = ("Extracting", "Unpacking", "Configuring")
+    _SAID = ("Resolving", "Checking", "Installing")
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.retrieved = 0
+        self.done: collections.Counter[str] = collections.Counter()
+
+    def line(self, line: str) -> None:
+        if not line.startswith("I: "):
+            return
+        text = line[3:].strip().rstrip(".")
+        word, _, package = text.partition(" ")
+        if word == "Retrieving" and package not in ("InRelease", "Release", "Packages"):
+            self.retrieved += 1
+            self.progress(f"retrieving packages: {self.retrieved} ({package})")
+        elif word in self._COUNTED and package:
+            self.done[word] += 1
+            n = self.done[word]
+            count = f"{n}/{max(self.retrieved, n)}" if word != "Extracting" else str(n)
+            self.progress(f"{word.lower()} packages: {count} ({package.split()[0]})")
+        elif word in self._SAID:
+            self.progress(f"debootstrap: {text[0].lower()}{text[1:]}")
 
 
 def normalize_debian_tree(tree: Path) -> int:
@@ -265,35 +338,70 @@ class Busybox(LayerRecipe):
 
 class DebianPython(LayerRecipe):
     """``debian-python:12`` (``dsec layer build debian-python``): :func:`debian_tree` with
-    python3, debootstrapped once per machine into ``cache`` (default
-    ``~/.cache/dsec/debian-python-12.v2``, or under ``$DSEC_IMAGE_CACHE``) and hard-linked
-    from there (an import only reads the tree)."""
+    :data:`SWE_PACKAGES`, and with ``--packages`` more of them, as ``debian-python:12-<hash
+    of those>`` (:meth:`~dsec_kernel.storage.LayerRecipe.version_for`). Each package set is
+    debootstrapped once per machine into ``cache`` (default
+    ``~/.cache/dsec/debian-python-<version>.v3``, or under ``$DSEC_IMAGE_CACHE``) and
+    hard-linked from there (an import only reads the tree)."""
 
     kind = "base"
     name = "debian-python"
     version = "12"
-    summary = "Debian 12 minbase and python3, by debootstrap (162 MB; a minute, once a machine)"
+    summary = (
+        "Debian 12 minbase, python3 with pip and venv, git, build-essential, by debootstrap "
+        "(607 MB; 1-2 minutes once a machine; --packages adds Debian packages)"
+    )
+    packages_from = "Debian 12"
 
-    def __init__(self, cache: Path | None = None) -> None:
+    def __init__(self, packages: Sequence[str] = (), cache: Path | None = None) -> None:
+        super().__init__(packages)
         root = Path(os.environ.get("DSEC_IMAGE_CACHE", Path.home() / ".cache" / "dsec"))
-        # .v2: trees made before debian_tree normalized them are other images; drop such a one
-        self.cache = cache or root / "debian-python-12.v2"
-        self._legacy = None if cache else root / "debian-python-12"
+        # .v3: trees of other default packages (.v2: python3 alone) are other images
+        self.cache = cache or root / f"debian-python-{self.version}.v3"
+        self._legacy = () if cache else (root / "debian-python-12", root / "debian-python-12.v2")
+
+    @classmethod
+    def extra_packages(cls, packages: Sequence[str]) -> tuple[str, ...]:
+        bad = [p for p in packages if not _DEBIAN_PACKAGE.match(p)]
+        if bad:
+            raise InvalidArgument(
+                f"--packages: {bad[0]!r} is not a Debian package name (lower-case letters, "
+                "digits and + - . ; no versions), e.g. --packages ripgrep,libxml2-dev"
+            )
+        return tuple(sorted(set(packages) - set(SWE_PACKAGES)))
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        return (*SWE_PACKAGES, *self.extra)
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
         return _NO_DEBOOTSTRAP if shutil.which("debootstrap") is None else None
 
+    def _cached(self) -> bool:
+        return (self.cache / "usr/bin/python3").exists()
+
     def build(self, tree: Path, progress: Progress) -> None:
-        if self._legacy is not None:
-            shutil.rmtree(self._legacy, ignore_errors=True)
-        if not (self.cache / "usr/bin/python3").exists():
-            progress("debootstrap of Debian 12 with python3 (once per machine)")
-            partial = self.cache.with_name(self.cache.name + ".partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.parent.mkdir(parents=True, exist_ok=True)
-            debian_tree(partial)
-            partial.rename(self.cache)
+        for old in self._legacy:
+            shutil.rmtree(old, ignore_errors=True)
+        self.cache.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.cache.with_name(self.cache.name + ".lock"), "w") as lock:
+            try:  # one build of a cache at a time, whatever the process
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                progress(f"waiting for another build of {self.cache}")
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            if not self._cached():
+                progress(f"debootstrap of Debian 12 with {', '.join(self.packages)} "
+                         "(once per machine)")  # fmt: skip
+                partial = self.cache.with_name(self.cache.name + ".partial")
+                shutil.rmtree(partial, ignore_errors=True)
+                try:
+                    debian_tree(partial, self.packages, progress=progress)
+                except BaseException:
+                    shutil.rmtree(partial, ignore_errors=True)
+                    raise
+                partial.rename(self.cache)
         progress("linking the Debian tree")
         for how in ("-al", "-a"):  # hard links (1 s); a copy (5 s) if on another filesystem
             done = subprocess.run(["cp", how, self.cache, tree], capture_output=True, text=True)
@@ -307,7 +415,7 @@ def debian_python(
     store: LayerStore, cache: Path | None = None, progress: Progress | None = None
 ) -> Layer:
     """``debian-python:12`` (base) in ``store``, built by :class:`DebianPython` if missing."""
-    recipe = DebianPython(cache)
+    recipe = DebianPython(cache=cache)
     say = progress or (lambda _msg: None)
     return ensure_layer(
         store, recipe.kind, recipe.name, recipe.version, lambda t: recipe.build(t, say), progress

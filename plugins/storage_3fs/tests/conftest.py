@@ -31,7 +31,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(items):
     slow_skip = pytest.mark.skip(
-        reason="slow (debootstrap from a Debian mirror, ~30 s): set DSEC_SLOW_TESTS=1 to run it"
+        reason="slow (debootstrap from a Debian mirror, 1-2 min): set DSEC_SLOW_TESTS=1 to run it"
     )
     for item in items:
         if not str(item.path).startswith(_HERE):
