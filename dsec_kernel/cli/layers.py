@@ -130,10 +130,10 @@ def _toolkit(args: argparse.Namespace, console: Console) -> int:
 
 class _Steps:
     """A build's progress on stderr, as a callable taking each step (``"phase: detail"``).
-    On a terminal, a live line shows the latest step and the time taken. Everywhere, a line
-    is kept for each phase when the next begins (its last detail and its seconds), and off
-    a terminal every 10 s of a long phase; with ``every_line`` (pip's output), each step is
-    kept as it comes."""
+    On a terminal, a live line shows the latest step and the time since the start.
+    Everywhere, a line is kept for each phase when the next begins (its last detail and its
+    seconds), and off a terminal every 10 s of a long phase; with ``every_line`` (pip's
+    output), each step is kept as it comes."""
 
     def __init__(self, console: Console, ref: str, every_line: bool = False) -> None:
         self.console, self.ref, self.every_line = console, ref, every_line
@@ -141,12 +141,22 @@ class _Steps:
         self.phase, self.last = "", ""
 
     def __enter__(self) -> _Steps:
-        self.status = self.console.status(f"{self.ref}: starting")
-        self.status.__enter__()
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+        from rich.table import Column
+
+        line = Column(no_wrap=True, overflow="ellipsis", ratio=1)
+        self.live = Progress(
+            SpinnerColumn(), TextColumn("{task.description}", markup=False, table_column=line),
+            TimeElapsedColumn(), console=self.console, transient=True, expand=True,
+        )  # fmt: skip
+        self.task = self.live.add_task(f"{self.ref}: starting")
+        if self.console.is_terminal:  # (elsewhere it would print empty lines)
+            self.live.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.status.__exit__(*exc)
+        if self.console.is_terminal:
+            self.live.__exit__(*exc)
         if exc[0] is None:
             if not self.every_line:
                 self._keep()
@@ -154,8 +164,6 @@ class _Steps:
                                highlight=False)  # fmt: skip
 
     def __call__(self, step: str) -> None:
-        from rich.text import Text
-
         phase = step.partition(":")[0] if ": " in step else step
         now = time.monotonic()
         if self.every_line:
@@ -167,8 +175,7 @@ class _Steps:
             self.console.print(f"{self.ref}: {step}", highlight=False, markup=False)
             self.said = now
         self.last = step
-        line = f"{self.ref}: {step} ({now - self.start:.0f} s)"
-        self.status.update(Text(line, no_wrap=True, overflow="ellipsis"))
+        self.live.update(self.task, description=f"{self.ref}: {step}")
 
     def _keep(self) -> None:
         """The line kept for the phase that ends."""
