@@ -187,10 +187,11 @@ def parser() -> argparse.ArgumentParser:
                             parser_class=_Parser)  # fmt: skip
     lb = lsub.add_parser(
         "build", help="make a well-known layer from a recipe, if not there yet",
-        description="make a well-known layer from a recipe, if the store lacks it: dsec layer "
-        "build debian-python [--packages a,b]; or a toolkit of pip packages, built in a "
-        "sandbox of the base it is for (needs a running DSec: dsec up): dsec layer build "
-        "toolkit pytest:8.3 --pip 'pytest==8.3.*' hypothesis",
+        description="make a well-known layer from a recipe, if the store lacks it:\n"
+        "  dsec layer build debian-python [--packages a,b]\n"
+        "or a toolkit of pip packages, built by pip in a sandbox of the base it is for\n"
+        "(needs a running DSec: dsec up):\n"
+        "  dsec layer build toolkit pytest:8.3 --pip 'pytest==8.3.*' hypothesis",
         formatter_class=_Help,
     )  # fmt: skip
     lb.add_argument(
