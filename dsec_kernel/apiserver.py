@@ -128,6 +128,7 @@ class ApiServer:
         self.views: dict[str, NodeView] = {}
         self._seen: dict[str, float] = {}
         self._state_was_down = False  # a node-down write found no stream leader
+        self._creating: dict[tuple[str, str], asyncio.Future[CreateResponse]] = {}
         self._placed: dict[str, list[_Placed]] = defaultdict(list)
         self._down: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self._fncall_inflight: dict[str, int] = defaultdict(int)
@@ -436,6 +437,22 @@ class ApiServer:
     async def _create(self, req: bus.Request) -> CreateResponse:
         tenant = await self._auth(req)
         r = CreateRequest.model_validate_json(req.data)
+        if not r.request_id:
+            return await self._create_once(tenant, r)
+        key = (tenant, r.request_id)
+        if (first := self._creating.get(key)) is not None:  # sent again while it runs here
+            return await asyncio.shield(first)
+        self._creating[key] = run = asyncio.ensure_future(self._create_once(tenant, r))
+        try:
+            return await asyncio.shield(run)
+        finally:
+            if run.done():
+                self._creating.pop(key, None)
+            else:  # the caller went; the first run goes on and leaves when done
+                run.add_done_callback(lambda _: self._creating.pop(key, None))
+
+    async def _create_once(self, tenant: str, r: CreateRequest) -> CreateResponse:
+        """A create, answered by what its request id made before if it was sent before."""
         if r.request_id and (done := self._created_by(tenant, r.request_id)):
             # sent again (a reconnect): not made twice; of a partial one, those not made
             # then are answered as such (their own error went with the first answer)
@@ -532,6 +549,10 @@ class ApiServer:
             revs = await self.state.put_sandboxes(created)  # type: ignore[union-attr]
         except Exception as exc:
             await self._rollback(created)
+            try:  # some may have been stored with their acks lost: listed, then reported lost
+                await self.state.delete_sandboxes([i.id for i in created])  # type: ignore[union-attr]
+            except errors.DsecError as gone:
+                log.warning("%d record(s) of a failed create may stay (%s)", len(created), gone)
             if isinstance(exc, errors.StateUnavailable):
                 raise  # the bus asks again once the stream has a leader
             raise errors.Unavailable(f"could not record the sandboxes: {exc}") from exc

@@ -22,6 +22,7 @@ import nats.js.errors
 from nats.js import api
 from nats.js.client import JetStreamContext
 
+from dsec_kernel import errors
 from dsec_kernel.state import ensure_replicas, publish
 from dsec_kernel.wire import CommandRecord, ExecResult
 
@@ -32,6 +33,8 @@ __all__ = ["READ_BYTES", "Replays", "Trajectory", "stream", "subject"]
 READ_BYTES = 32 << 20
 #: entries pulled at a time (each at most ~1.2 MiB: a command line of 1 MiB, capped output)
 FETCH = 16
+#: a batch not come by then: its consumer went with a server (the read is asked again)
+FETCH_WAIT_S = 5.0
 #: most entries kept per sandbox (its oldest go first)
 PER_SANDBOX = 10_000
 #: seconds a read of a sandbox's log serves the request ids looked up in it
@@ -112,9 +115,11 @@ class Trajectory:
             held = 0
             while True:
                 try:
-                    msgs = await sub.fetch(batch=FETCH, timeout=10)
-                except nats.errors.TimeoutError:
-                    break
+                    msgs = await sub.fetch(batch=FETCH, timeout=FETCH_WAIT_S)
+                except nats.errors.TimeoutError:  # entries left but none came: never a part
+                    raise errors.StateUnavailable(  # of a trajectory as if it were all of it
+                        f"the trajectory stream of {tenant} did not deliver"
+                    ) from None
                 for msg in msgs:
                     rec = CommandRecord.model_validate_json(msg.data)
                     rec.seq = msg.metadata.sequence.stream
