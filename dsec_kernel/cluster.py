@@ -25,7 +25,7 @@ from dsec_kernel.nodenet import NodeNetwork
 from dsec_kernel.procs import die_with_parent, stop_process
 from dsec_kernel.sdk import AsyncClient
 from dsec_kernel.state import ClusterState
-from dsec_kernel.wire import NodeInfo, NodesRequest, NodesResponse
+from dsec_kernel.wire import NodeInfo, NodesRequest, NodesResponse, Quota
 
 __all__ = ["Child", "LocalCluster", "ensure_tenant", "wait_ready"]
 
@@ -274,6 +274,16 @@ class LocalCluster:
             self.url, name, client_url=self.nats.client_url, replicas=self.kv_replicas
         )
         return AsyncClient(url=conn.url, token=conn.token, **kw)  # type: ignore[arg-type]
+
+    async def set_quota(self, tenant: str, quota: Quota) -> None:
+        """Give ``tenant`` ``quota``, as ``dsec tenant quota`` does (apiservers read it at
+        each create)."""
+        nc = await bus.connect(self.url, name="operator")
+        try:
+            state = await ClusterState.open(nc)
+            await state.quotas.put(tenant, quota.model_dump_json().encode())
+        finally:
+            await nc.close()
 
     def tenant(self, name: str = "default") -> Connection:
         """A new credential for tenant ``name``."""

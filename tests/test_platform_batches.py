@@ -16,9 +16,8 @@ from dsec_backend_container.backend import ContainerBackend
 from dsec_backend_fncall.backend import FncallBackend
 
 import dsec_kernel as dsec
-from dsec_kernel import bus, errors
+from dsec_kernel import errors
 from dsec_kernel.cli import exitcodes
-from dsec_kernel.state import ClusterState
 from dsec_kernel.wire import Quota
 
 REASON = ContainerBackend.unavailable_reason() or FncallBackend.unavailable_reason()
@@ -105,21 +104,12 @@ async def test_batches_answer_every_sandbox_in_order(local_cluster, busybox_env)
             await c.exec_many([ok], "true", timeout=-1)
 
 
-async def _set_quota(cluster, tenant: str, quota: Quota) -> None:
-    nc = await bus.connect(cluster.url, name="operator")
-    try:
-        state = await ClusterState.open(nc)
-        await state.quotas.put(tenant, quota.model_dump_json().encode())
-    finally:
-        await nc.close()
-
-
 def test_the_sync_client_and_a_create_past_the_quota(local_cluster, busybox_env):
     """The synchronous client answers batches the same way; a create of five under a quota
     of three makes three, with an entry for each of the other two (nothing of them left
     anywhere), and raises when it can make none."""
     cluster = local_cluster(busybox_env)
-    asyncio.run(_set_quota(cluster, "default", Quota(sandboxes=3)))  # read at the start
+    asyncio.run(cluster.set_quota("default", Quota(sandboxes=3)))  # read at the start
     cluster.start_apiserver()
     cluster.start_edge("c", ["container"], "--heartbeat", "0.2")
     asyncio.run(cluster.ready())

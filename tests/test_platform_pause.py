@@ -13,8 +13,7 @@ from dsec_backend_container.backend import ContainerBackend
 from dsec_backend_container.reclaim import hierarchy_root, paused_anywhere
 
 import dsec_kernel as dsec
-from dsec_kernel import bus, errors
-from dsec_kernel.state import ClusterState
+from dsec_kernel import errors
 from dsec_kernel.wire import Quota
 
 REASON = ContainerBackend.unavailable_reason()
@@ -172,15 +171,6 @@ async def test_a_higher_priority_job_pauses_lower_ones_to_get_room(local_cluster
         await low.close()
 
 
-async def _set_quota(cluster, tenant: str, quota: Quota) -> None:
-    nc = await bus.connect(cluster.url, name="operator")
-    try:
-        state = await ClusterState.open(nc)
-        await state.quotas.put(tenant, quota.model_dump_json().encode())
-    finally:
-        await nc.close()
-
-
 async def test_another_tenants_priority_pauses_nothing_unless_the_operator_grants_it(
     local_cluster, busybox_env
 ):
@@ -202,7 +192,7 @@ async def test_another_tenants_priority_pauses_nothing_unless_the_operator_grant
         with pytest.raises(errors.CapacityExceeded):
             await theirs.create(backend="container", env=BUSYBOX, wait=3)
         assert {(await sb.status()).state for sb in mine} == {"ready"}
-        await _set_quota(cluster, "mallory", Quota(max_priority=100))
+        await cluster.set_quota("mallory", Quota(max_priority=100))
         await asyncio.sleep(1)  # the apiserver's mirror of quotas
         (got,) = await theirs.create(backend="container", env=BUSYBOX, wait=20)
         states = [(await sb.status()).state for sb in mine]
