@@ -244,14 +244,11 @@ class Hooks:
     # -- helpers -----------------------------------------------------------------------------
 
     async def _notify(self, hook: Any, **kwargs: Any) -> None:
-        """Call a notification hook; a plugin's exception is logged, never propagated."""
-        try:
-            results = hook(**kwargs)
-        except Exception:
-            log.exception("hook %s failed", hook.name)
-            return
-        for r in results:
+        """Call a notification hook's every implementation, each on its own: one plugin's
+        exception is logged with its name and never keeps the others from being told
+        (pluggy's own call stops at the first that raises)."""
+        for impl in reversed(hook.get_hookimpls()):  # pluggy's order: last registered first
             try:
-                await _await_me_maybe(r)
+                await _await_me_maybe(impl.function(*(kwargs[a] for a in impl.argnames)))
             except Exception:
-                log.exception("hook %s failed", hook.name)
+                log.exception("hook %s of plugin %s failed", hook.name, impl.plugin_name)

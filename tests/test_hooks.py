@@ -123,6 +123,16 @@ async def test_a_failing_notification_does_not_break_the_caller(caplog):
         def dsec_sandbox_created(self, sandbox):
             raise RuntimeError("plugin bug")
 
-    hooks = Hooks.load(plugins=[Broken()], guards=[])
-    await hooks.sandbox_created(SB)
-    assert "plugin bug" in caplog.text
+    told = []
+
+    class Listening:
+        @hookimpl
+        def dsec_sandbox_created(self, sandbox):
+            told.append(sandbox.id)
+
+    # either order of registration: pluggy's own call stopped at the first that raised
+    for plugins in ([Listening(), Broken()], [Broken(), Listening()]):
+        hooks = Hooks.load(plugins=plugins, guards=[])
+        await hooks.sandbox_created(SB)
+    assert told == [SB.id, SB.id]
+    assert "plugin bug" in caplog.text and "of plugin" in caplog.text

@@ -35,6 +35,13 @@ def test_unknown_fields_are_ignored_for_add_only_evolution():
     assert wire.parse(json.dumps(data)) == wire.StatusRequest(id="sb-0123456789abcdef")
 
 
+def test_a_backend_declaring_a_capability_that_does_not_exist_is_refused():
+    with pytest.raises(ValidationError, match="snapshots"):
+        wire.Capabilities(snapshots=True)  # (snapshot is the capability)
+    newer = {"name": "x", "capabilities": {"exec": False, "added_later": True}}
+    assert wire.BackendInfo.model_validate(newer).capabilities == wire.Capabilities(exec=False)
+
+
 @pytest.mark.parametrize(
     "bad",
     [

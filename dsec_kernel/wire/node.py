@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dsec_kernel.wire.base import NAME_PATTERN, Message, Name
 
@@ -15,9 +15,15 @@ class Capabilities(BaseModel):
     """What a backend declares it can do. The edge publishes it; the apiserver routes by it.
 
     A method whose capability is False must raise :class:`~dsec_kernel.errors.Unsupported`.
+    ``Capabilities(...)`` refuses a field it does not have (a backend's ``snapshots=True`` is
+    a typo, not a capability); read from the wire within :class:`BackendInfo`, fields a newer
+    edge declares are dropped.
     """
 
-    model_config = ConfigDict(extra="ignore")
+    # (its schema says what the wire takes: unknown fields are dropped there)
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra=lambda schema: schema.pop("additionalProperties")
+    )
 
     exec: bool = Field(True, description="runs commands (exec)")
     files: bool = Field(True, description="read_file / write_file")
@@ -46,6 +52,14 @@ class BackendInfo(BaseModel):
     name: Name
     version: str = ""
     capabilities: Capabilities = Field(default_factory=Capabilities)
+
+    @field_validator("capabilities", mode="before")
+    @classmethod
+    def _known(cls, value: object) -> object:
+        """Of a record (a newer edge's, say), the capabilities this release knows."""
+        if isinstance(value, dict):
+            return {k: v for k, v in value.items() if k in Capabilities.model_fields}
+        return value
 
 
 class NodeLoad(BaseModel):
