@@ -1,27 +1,12 @@
 """Typed errors: one class per wire error code.
 
 Every failure that crosses a process boundary travels as the one wire error shape
-(:class:`dsec_kernel.wire.Error`: ``code``, ``message``, ``retryable``) and is raised
-on the other side as the matching subclass::
-
-    DsecError
-     ├── InvalidArgument      bad input; nothing was changed
-     │    └── UnknownBackend  no node in the cluster runs that backend
-     ├── Unauthenticated      missing or wrong credential
-     ├── NotFound             no such sandbox (or not yours) / no such file
-     ├── Unsupported          the backend does not declare that capability
-     ├── Forbidden            a guard refused the operation
-     ├── CapacityExceeded     no node has room now            (retryable)
-     ├── Unavailable          a service or edge did not answer (retryable)
-     ├── DeadlineExceeded     the request itself timed out     (retryable)
-     ├── SandboxLost          its node went down; state is gone
-     ├── SandboxPaused        paused (lease lapsed, priority, request): resume it first
-     ├── QueueFull            the tenant's admission queue is full  (retryable)
-     ├── QuotaExceeded        a quota (the tenant's, a sandbox's disk) does not allow it
-     ├── Conflict             the state changed under the request (retryable)
-     └── Internal             a bug or an unexpected failure
-
-``retryable`` says whether the same request may succeed if sent again unchanged.
+(:class:`dsec_kernel.wire.Error`: ``code``, ``message``, ``retryable``) and is raised on
+the other side as the matching subclass of :class:`DsecError`. Adding a code is one edit:
+a subclass that sets ``code`` (its own), says what it means in its docstring and, if it
+differs from its base's, the ``dsec`` command's ``exit_status``; it is registered for
+:func:`error_class` and exported by defining it. ``retryable`` says whether the same
+request may succeed if sent again unchanged.
 """
 
 from __future__ import annotations
@@ -31,33 +16,24 @@ from typing import TYPE_CHECKING, ClassVar
 if TYPE_CHECKING:
     from dsec_kernel.wire import Error
 
-__all__ = [
-    "CapacityExceeded",
-    "Conflict",
-    "DeadlineExceeded",
-    "DsecError",
-    "Forbidden",
-    "Internal",
-    "InvalidArgument",
-    "NotFound",
-    "QueueFull",
-    "QuotaExceeded",
-    "SandboxLost",
-    "SandboxPaused",
-    "Unauthenticated",
-    "Unavailable",
-    "UnknownBackend",
-    "Unsupported",
-    "error_class",
-    "from_wire",
-]
+
+_BY_CODE: dict[str, type[DsecError]] = {}
 
 
 class DsecError(Exception):
-    """Base of every DSec error. ``code`` is stable and machine readable."""
+    """Base of every DSec error. ``code`` is stable and machine readable; ``exit_status``
+    is the ``dsec`` command's when the error ends it (docs/configuration.md)."""
 
     code: ClassVar[str] = "internal"
     default_retryable: ClassVar[bool] = False
+    exit_status: ClassVar[int] = 1
+
+    def __init_subclass__(cls, **kw: object) -> None:
+        super().__init_subclass__(**kw)
+        if "code" in cls.__dict__:  # a code of its own (StateUnavailable shares its base's)
+            if cls.code in _BY_CODE:
+                raise TypeError(f"error code {cls.code!r} is {_BY_CODE[cls.code].__name__}'s")
+            _BY_CODE[cls.code] = cls
 
     def __init__(self, message: str, *, retryable: bool | None = None) -> None:
         super().__init__(message)
@@ -74,37 +50,60 @@ class DsecError(Exception):
 
 
 class InvalidArgument(DsecError):
+    """Bad input; nothing was changed."""
+
     code = "invalid_argument"
+    exit_status = 3
 
 
 class UnknownBackend(InvalidArgument):
+    """No node in the cluster runs that backend."""
+
     code = "unknown_backend"
 
 
 class Unauthenticated(DsecError):
+    """Missing or wrong credential."""
+
     code = "unauthenticated"
+    exit_status = 4
 
 
 class NotFound(DsecError):
+    """No such sandbox (or not yours), layer or file."""
+
     code = "not_found"
+    exit_status = 5
 
 
 class Unsupported(DsecError):
+    """The backend does not declare that capability."""
+
     code = "unsupported"
+    exit_status = 6
 
 
 class Forbidden(DsecError):
+    """A guard refused the operation."""
+
     code = "forbidden"
+    exit_status = 6
 
 
 class CapacityExceeded(DsecError):
+    """No node has room now (retryable)."""
+
     code = "capacity_exceeded"
     default_retryable = True
+    exit_status = 7
 
 
 class Unavailable(DsecError):
+    """A service or edge did not answer (retryable)."""
+
     code = "unavailable"
     default_retryable = True
+    exit_status = 9
 
 
 class StateUnavailable(Unavailable):
@@ -114,56 +113,54 @@ class StateUnavailable(Unavailable):
 
 
 class DeadlineExceeded(DsecError):
+    """The request itself timed out (retryable)."""
+
     code = "deadline_exceeded"
     default_retryable = True
+    exit_status = 10
 
 
 class SandboxLost(DsecError):
+    """Its node went down or its init died; its state is gone."""
+
     code = "sandbox_lost"
+    exit_status = 11
 
 
 class SandboxPaused(DsecError):
+    """Paused (lease lapsed, priority, request): resume it first."""
+
     code = "sandbox_paused"
+    exit_status = 11
 
 
 class QueueFull(DsecError):
+    """The tenant's queue or requests in flight are full (retryable)."""
+
     code = "queue_full"
     default_retryable = True
+    exit_status = 7
 
 
 class QuotaExceeded(DsecError):
+    """A quota (the tenant's, a sandbox's disk) does not allow it."""
+
     code = "quota_exceeded"
+    exit_status = 8
 
 
 class Conflict(DsecError):
+    """The state changed under the request (retryable)."""
+
     code = "conflict"
     default_retryable = True
+    exit_status = 12
 
 
 class Internal(DsecError):
+    """A bug or an unexpected failure."""
+
     code = "internal"
-
-
-_BY_CODE: dict[str, type[DsecError]] = {
-    cls.code: cls
-    for cls in (
-        InvalidArgument,
-        UnknownBackend,
-        Unauthenticated,
-        NotFound,
-        Unsupported,
-        Forbidden,
-        CapacityExceeded,
-        Unavailable,
-        DeadlineExceeded,
-        SandboxLost,
-        SandboxPaused,
-        QueueFull,
-        QuotaExceeded,
-        Conflict,
-        Internal,
-    )
-}
 
 
 def error_class(code: str) -> type[DsecError]:
@@ -174,3 +171,8 @@ def error_class(code: str) -> type[DsecError]:
 def from_wire(error: Error) -> DsecError:
     """The exception a wire :class:`~dsec_kernel.wire.Error` stands for."""
     return error_class(error.code)(error.message, retryable=error.retryable)
+
+
+__all__ = ["DsecError", "StateUnavailable", "error_class", "from_wire", *(
+    c.__name__ for c in _BY_CODE.values()
+)]  # fmt: skip

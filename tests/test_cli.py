@@ -116,7 +116,7 @@ def test_options_before_the_command_and_exit_statuses(platform):
     own = dsec_cli(platform, "exec", sid, "--", "sh", "-c", "exit 7")
     assert own.returncode == 7
     gone = dsec_cli(platform, "exec", "sb-0000000000000000", "--", "true")
-    assert gone.returncode == exitcodes.BY_CODE["not_found"] and "[not_found]" in gone.stderr
+    assert gone.returncode == errors.NotFound.exit_status and "[not_found]" in gone.stderr
     assert dsec_cli(platform, "destroy", sid).returncode == 0
 
 
@@ -179,12 +179,12 @@ def test_batches_print_each_failure_and_exit_with_its_kind(platform):
     ok, gone = dsec_cli(platform, "create", "--count", "2").stdout.split()
     assert dsec_cli(platform, "destroy", gone).stdout == "destroyed 1\n"
     paused = dsec_cli(platform, "pause", ok, gone)  # fncall cannot pause; the other is gone
-    assert paused.returncode == exitcodes.BY_CODE["unsupported"], paused.stderr
+    assert paused.returncode == errors.Unsupported.exit_status, paused.stderr
     lines = paused.stderr.splitlines()
     assert lines[0].startswith(f"dsec: {ok}: [unsupported] ") and len(lines) == 2, lines
     assert lines[1].startswith(f"dsec: {gone}: [not_found] "), lines
     resumed = dsec_cli(platform, "resume", ok, gone)  # (a sandbox not paused: nothing to do)
-    assert resumed.returncode == exitcodes.BY_CODE["not_found"], resumed.stderr
+    assert resumed.returncode == errors.NotFound.exit_status, resumed.stderr
     assert resumed.stdout.startswith(f"{ok} ready in ") and resumed.stderr.startswith(
         f"dsec: {gone}: [not_found] "
     )
@@ -195,7 +195,7 @@ def test_batches_print_each_failure_and_exit_with_its_kind(platform):
         (ok, "unsupported"), (gone, "not_found")
     ]  # fmt: skip
     ran = dsec_cli(platform, "exec", gone, "--json", "--", "true")
-    assert ran.returncode == exitcodes.BY_CODE["not_found"]
+    assert ran.returncode == errors.NotFound.exit_status
     assert json.loads(ran.stdout)["error"]["code"] == "not_found"
     rows = [
         json.loads(x) for x in dsec_cli(platform, "destroy", ok, gone, "--json").stdout.splitlines()
@@ -212,11 +212,11 @@ def test_batches_print_each_failure_and_exit_with_its_kind(platform):
     time.sleep(1)  # the apiserver's mirror of quotas
     as_tenant = {"DSEC_TOKEN": token}
     made = dsec_cli(platform, "create", "--count", "3", env=as_tenant)
-    assert made.returncode == exitcodes.BY_CODE["quota_exceeded"], made.stderr
+    assert made.returncode == errors.QuotaExceeded.exit_status, made.stderr
     ids = made.stdout.split()
     assert len(ids) == 2 and "dsec: not created: [quota_exceeded] " in made.stderr, made.stderr
     full = dsec_cli(platform, "create", "--json", env=as_tenant)  # none can be made
-    assert full.returncode == exitcodes.BY_CODE["quota_exceeded"] and full.stdout == ""
+    assert full.returncode == errors.QuotaExceeded.exit_status and full.stdout == ""
     assert dsec_cli(platform, "destroy", *ids, env=as_tenant).stdout == "destroyed 2\n"
     made = dsec_cli(platform, "create", "--count", "3", "--json", env=as_tenant)
     rows = [json.loads(x) for x in made.stdout.splitlines()]

@@ -14,6 +14,7 @@ import pytest
 from dsec_storage_3fs.images import Busybox
 from pydantic import TypeAdapter
 
+from dsec_kernel import errors
 from dsec_kernel.cli import exitcodes
 from dsec_kernel.cli.parser import _REF
 from dsec_kernel.wire.sandbox import LayerRef
@@ -106,7 +107,7 @@ def test_packages_and_toolkit_arguments_go_only_where_they_belong(layer_cli):
         (["toolkit", "pytest:8.3"], "--pip: name at least one requirement"),
     ]:
         r = layer_cli("build", *args)
-        assert r.returncode == exitcodes.BY_CODE["invalid_argument"], (args, r.stderr)
+        assert r.returncode == errors.InvalidArgument.exit_status, (args, r.stderr)
         assert said in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
     assert layer_cli("ls", "--json").stdout == ""  # nothing built
     assert "dsec layer build toolkit NAME:VERSION --pip REQ..." in layer_cli("build").stdout

@@ -23,7 +23,6 @@ import pytest
 import dsec_kernel as dsec
 from dsec_kernel import bus, errors
 from dsec_kernel.apiserver import ApiServer
-from dsec_kernel.cli import exitcodes
 from dsec_kernel.cluster import LocalCluster, ensure_tenant
 from dsec_kernel.config import ApiSettings
 from dsec_kernel.natsserver import NatsServer
@@ -160,7 +159,7 @@ async def test_a_removed_tenant_loses_its_login(server):
     async with dsec.AsyncClient(url=server.client_url, token=other) as c:  # others unaffected
         assert await c.list() == []
     rc, _, err = await dsec_cli("tenant", "remove", "nobody", *operator(server))
-    assert rc == exitcodes.BY_CODE["not_found"] and "no tenant 'nobody'" in err
+    assert rc == errors.NotFound.exit_status and "no tenant 'nobody'" in err
 
 
 async def test_an_unknown_token_is_refused_at_once(server):
@@ -195,7 +194,7 @@ async def test_with_nothing_loading_logins_create_fails_with_the_way_to_load_the
         nc = await bus.connect(own.service_url, name="admin")
         state = await ClusterState.open(nc)
         rc, out, err = await dsec_cli("tenant", "create", "ops", "--wait", "1", *operator(own))
-        assert rc == exitcodes.BY_CODE["unavailable"] and out == ""
+        assert rc == errors.Unavailable.exit_status and out == ""
         assert "dsec tenant logins" in err and len(err.strip().splitlines()) == 1, err
         assert await state.tenant_logins() == {}
         rc, out, err = await dsec_cli("tenant", "create", "ops", "--wait", "0", *operator(own))

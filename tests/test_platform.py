@@ -187,7 +187,7 @@ def test_cli(cluster, tmp_path):
     gone = dsec_cli("destroy", "--all")
     assert "destroyed 30" in gone.stdout
     bad = dsec_cli("create", "--backend", "nope")
-    assert bad.returncode == 3 and "unknown_backend" in bad.stderr  # exitcodes.BY_CODE
+    assert bad.returncode == errors.UnknownBackend.exit_status and "unknown_backend" in bad.stderr
 
 
 def test_dsec_up_runs_the_quickstart(tmp_path):

@@ -17,7 +17,6 @@ from dsec_backend_fncall.backend import FncallBackend
 
 import dsec_kernel as dsec
 from dsec_kernel import errors
-from dsec_kernel.cli import exitcodes
 from dsec_kernel.wire import Quota
 
 REASON = ContainerBackend.unavailable_reason() or FncallBackend.unavailable_reason()
@@ -89,7 +88,7 @@ async def test_batches_answer_every_sandbox_in_order(local_cluster, busybox_env)
         assert isinstance(report.error, errors.Unavailable) and report.found, report
         assert fn.id in {sb.id for sb in await c.list()}  # still there: destroy it again
         cli = await asyncio.to_thread(dsec_cli, cluster, "destroy", fn.id)
-        assert cli.returncode == exitcodes.BY_CODE["unavailable"], cli.stderr
+        assert cli.returncode == errors.Unavailable.exit_status, cli.stderr
         assert cli.stderr.startswith(f"dsec: {fn.id}: [unavailable] "), cli.stderr
         assert cli.stdout == "destroyed 0\n"
 

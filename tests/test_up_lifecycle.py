@@ -17,7 +17,6 @@ from dsec_backend_fncall.backend import FncallBackend
 
 import dsec_kernel as dsec
 from dsec_kernel import errors
-from dsec_kernel.cli import exitcodes
 from dsec_kernel.cluster import wait_ready
 
 REASON = FncallBackend.unavailable_reason()
@@ -95,7 +94,7 @@ def test_one_state_dir_serves_one_up_and_down_removes_everything(tmp_path):
     assert (state / "connection.json").stat().st_mode & 0o777 == 0o600
     second = subprocess.run([*DSEC, "up", "--state-dir", str(state)], capture_output=True,
                             text=True, timeout=60)  # fmt: skip
-    assert second.returncode == exitcodes.BY_CODE["conflict"]
+    assert second.returncode == errors.Conflict.exit_status
     assert f"dsec up (pid {first.pid}) already runs with {state} at {conn['url']}" in second.stderr
     assert json.loads((state / "connection.json").read_text()) == conn  # not overwritten
 

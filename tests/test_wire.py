@@ -1,6 +1,7 @@
 """Wire messages: versioned types, one error shape, schemas checked in."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,17 @@ def test_a_backend_declaring_a_capability_that_does_not_exist_is_refused():
 def test_bad_exec_requests_are_refused(bad):
     with pytest.raises(ValidationError):
         wire.ExecRequest(**bad)
+
+
+def test_every_error_code_has_its_exit_status_in_the_docs():
+    """A code is one class (errors.py); the docs' table of exit statuses names each one."""
+    rows = {}
+    table = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    for status, codes in re.findall(r"^\| (\d+) \| (.+?) \|$", table, re.M):
+        if int(status) < 100:  # (124 and 128+N are a command's)
+            rows.update((code, int(status)) for code in re.findall(r"`(\w+)`", codes))
+    assert rows == {c: k.exit_status for c, k in errors._BY_CODE.items()}
+    assert set(errors.__all__) >= {k.__name__ for k in errors._BY_CODE.values()}
 
 
 def test_error_codes_map_to_classes():

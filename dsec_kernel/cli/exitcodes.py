@@ -17,28 +17,10 @@ TIMED_OUT = 124
 #: a plugin that is missing or broken (not a wire error)
 PLUGIN = 13
 
-#: wire error code -> exit status
-BY_CODE = {
-    "invalid_argument": 3,
-    "unknown_backend": 3,
-    "unauthenticated": 4,
-    "not_found": 5,
-    "unsupported": 6,
-    "forbidden": 6,
-    "capacity_exceeded": 7,
-    "queue_full": 7,
-    "quota_exceeded": 8,
-    "unavailable": 9,
-    "deadline_exceeded": 10,
-    "sandbox_lost": 11,
-    "sandbox_paused": 11,
-    "conflict": 12,
-    "internal": 1,
-}
-
 
 def for_error(exc: errors.DsecError) -> int:
-    return BY_CODE.get(exc.code, 1)
+    """The status an error ends the command with (its class says it)."""
+    return exc.exit_status
 
 
 def for_result(exit_code: int, timed_out: bool) -> int:
