@@ -440,16 +440,11 @@ class ApiServer:
         if not r.request_id:
             return await self._create_once(tenant, r)
         key = (tenant, r.request_id)
-        if (first := self._creating.get(key)) is not None:  # sent again while it runs here
-            return await asyncio.shield(first)
-        self._creating[key] = run = asyncio.ensure_future(self._create_once(tenant, r))
-        try:
-            return await asyncio.shield(run)
-        finally:
-            if run.done():
-                self._creating.pop(key, None)
-            else:  # the caller went; the first run goes on and leaves when done
-                run.add_done_callback(lambda _: self._creating.pop(key, None))
+        run = self._creating.get(key)  # (sent again while it runs here: its first run's)
+        if run is None:
+            run = self._creating[key] = asyncio.ensure_future(self._create_once(tenant, r))
+            run.add_done_callback(lambda _: self._creating.pop(key, None))
+        return await asyncio.shield(run)  # a caller gone leaves the run going
 
     async def _create_once(self, tenant: str, r: CreateRequest) -> CreateResponse:
         """A create, answered by what its request id made before if it was sent before."""
@@ -773,7 +768,8 @@ class ApiServer:
         than :data:`LIST_PAGE_BYTES` of records (one reply must fit a NATS message)."""
         tenant = await self._auth(req)
         r = ListRequest.model_validate_json(req.data)
-        await self.sandboxes.current()  # a sandbox made through another apiserver is listed
+        if r.after is None:  # (a list's first page) a sandbox made through another apiserver
+            await self.sandboxes.current()  # a moment ago is listed
         want = r.labels.items()
         page: list[SandboxInfo] = []
         size = 0

@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 
 TOKEN_HEADER = "Dsec-Token"
 #: how long the caller waits for the reply, in seconds (every :func:`request` sends it)
-TIMEOUT_HEADER = "Dsec-Timeout"
+TIMEOUT_HEADER = replies.TIMEOUT_HEADER
 _deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("deadline", default=None)
 #: how often a connection pings its server (three unanswered: stale, reconnect)
 PING_INTERVAL_S = 5.0

@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 __all__ = [
     "SILENCE_S",
     "STATUS_HEADER",
+    "TIMEOUT_HEADER",
     "WORKING_EVERY_S",
     "KeepAlive",
     "Replies",
@@ -36,6 +37,7 @@ __all__ = [
 ]
 
 STATUS_HEADER = "Dsec-Status"
+TIMEOUT_HEADER = "Dsec-Timeout"  # how long the caller waits, in seconds (bus.time_left)
 WORKING_EVERY_S = 1.0
 SILENCE_S = 5.0  # five beats missed: the request (or its service's connection) is gone
 _NO_RESPONDERS = "503"  # the status nats-server answers with when nothing subscribes
@@ -78,7 +80,7 @@ class Replies:
                     msg = await asyncio.wait_for(queue.get(), min(left, SILENCE_S))
                 except TimeoutError:
                     if deadline - time.monotonic() > 0.1:
-                        again = {**headers, "Dsec-Timeout": f"{deadline - time.monotonic():.3f}"}
+                        again = {**headers, TIMEOUT_HEADER: f"{deadline - time.monotonic():.3f}"}
                         await self.nc.publish(subject, data, reply=reply, headers=again)
                     continue
                 status = (msg.headers or {}).get
@@ -122,7 +124,9 @@ class KeepAlive:
         self.nc = nc
         self.reply = reply
         self._loop = asyncio.get_running_loop()
-        self._handle = self._loop.call_later(WORKING_EVERY_S, self._beat)
+        self._handle: asyncio.TimerHandle | None = None
+        if reply:  # (a request sent with no reply subject is told nothing)
+            self._handle = self._loop.call_later(WORKING_EVERY_S, self._beat)
         self._sending: set[asyncio.Task[None]] = set()
 
     def _beat(self) -> None:
@@ -138,4 +142,5 @@ class KeepAlive:
             pass  # the connection is going: the caller will ask again
 
     def cancel(self) -> None:
-        self._handle.cancel()
+        if self._handle is not None:
+            self._handle.cancel()
