@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from dsec_kernel.cgroups import Group, v1_controllers, v2_own
 from dsec_kernel.cluster import LocalCluster
+from dsec_kernel.linuxhost.cgroups import Group, v1_controllers, v2_own
 
-pytest.register_assert_rewrite("dsec_kernel.conformance")  # before any test imports it
+pytest.register_assert_rewrite("dsec_kernel.contract.conformance")  # before any test imports it
 
 
 def session_processes(groups: dict[str, Path]) -> dict[int, str]:
@@ -220,7 +220,7 @@ def busybox_env(tmp_path) -> dict[str, str]:
     settings that point services at it."""
     from dsec_storage_3fs.images import busybox_tree, ensure_layer
 
-    from dsec_kernel.storage import open_store
+    from dsec_kernel.loader import open_store
 
     root = str(tmp_path / "store")
     store = open_store("3fs", {"root": root, "cache_dir": str(tmp_path / "cache")})

@@ -30,8 +30,8 @@ from simcluster import simulated
 from stats import pct
 
 import dsec_kernel as dsec
-from dsec_kernel import errors
-from dsec_kernel.wire import CreateRequest, CreateResponse, SandboxSpec
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import CreateRequest, CreateResponse, SandboxSpec
 
 EDGES = 10
 

@@ -38,9 +38,9 @@ from dsec_storage_3fs.images import busybox_tree, ensure_layer
 from stats import pct
 
 import dsec_kernel as dsec
-from dsec_kernel import linux
 from dsec_kernel.cluster import LocalCluster
-from dsec_kernel.storage import open_store
+from dsec_kernel.linuxhost import syscalls
+from dsec_kernel.loader import open_store
 
 BUSYBOX = dsec.Env(base="busybox:1")
 TRUE = ["/bin/busybox", "true"]
@@ -84,19 +84,19 @@ def bare_start(rootfs: str, scratch: str) -> None:
     pid = os.fork()
     if pid == 0:
         try:
-            linux.unshare(linux.CLONE_NEWNS | linux.CLONE_NEWPID | linux.CLONE_NEWUTS
-                          | linux.CLONE_NEWIPC | linux.CLONE_NEWNET)  # fmt: skip
+            syscalls.unshare(syscalls.CLONE_NEWNS | syscalls.CLONE_NEWPID | syscalls.CLONE_NEWUTS
+                          | syscalls.CLONE_NEWIPC | syscalls.CLONE_NEWNET)  # fmt: skip
             init = os.fork()
             if init == 0:
-                linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
+                syscalls.mount(None, "/", None, syscalls.MS_REC | syscalls.MS_PRIVATE)
                 os.makedirs(f"{scratch}/u")
                 os.makedirs(f"{scratch}/w")
                 os.makedirs(f"{scratch}/r")
                 opts = f"lowerdir={rootfs},upperdir={scratch}/u,workdir={scratch}/w"
-                linux.mount("overlay", f"{scratch}/r", "overlay", 0, opts)
+                syscalls.mount("overlay", f"{scratch}/r", "overlay", 0, opts)
                 os.chdir(f"{scratch}/r")
-                linux.pivot_root(".", ".")
-                linux.umount(".", linux.MNT_DETACH)
+                syscalls.pivot_root(".", ".")
+                syscalls.umount(".", syscalls.MNT_DETACH)
                 os.execv(TRUE[0], TRUE)
             _, status = os.waitpid(init, 0)
             os._exit(os.waitstatus_to_exitcode(status))
@@ -212,11 +212,11 @@ def main() -> None:
         try:
             scratch = root / "scratch"
             scratch.mkdir()
-            linux.mount("tmpfs", str(scratch), "tmpfs", 0, "size=512m")
+            syscalls.mount("tmpfs", str(scratch), "tmpfs", 0, "size=512m")
             try:
                 bare = bare_side(rootfs, scratch, args.baseline_runs, args.parallel)
             finally:
-                linux.umount(str(scratch), linux.MNT_DETACH)
+                syscalls.umount(str(scratch), syscalls.MNT_DETACH)
             bw = ["bwrap", "--unshare-all", "--ro-bind", rootfs, "/", "--proc", "/proc",
                   "--dev", "/dev", "--tmpfs", "/tmp", *TRUE]  # fmt: skip
             bwrap = (

@@ -22,8 +22,8 @@ from simcluster import simulated
 
 import dsec_kernel as dsec
 from dsec_kernel import bus
+from dsec_kernel.contract.wire import SandboxInfo
 from dsec_kernel.state import ClusterState
-from dsec_kernel.wire import SandboxInfo
 
 
 def cpu_seconds(pid: int) -> float:

@@ -2,7 +2,8 @@
 
     python benchmarks/bench_density.py [--count 3200] [--baseline-count 500] [--concurrency 4]
 
-Runs the container backend in this process, without NATS (``dsec_kernel.conformance.started``),
+Runs the container backend in this process, without NATS
+(``dsec_kernel.contract.conformance.started``),
 on a temporary layer store holding ``busybox:1`` and a temporary state directory (both under
 $TMPDIR, or --tmp-dir: a local disk, not tmpfs). It fills the node with --count idle sandboxes
 (env busybox:1, default limits: each has its init, its namespaces, an overlay root on the shared
@@ -60,12 +61,12 @@ from dsec_backend_container.backend import ContainerBackend, ContainerConfig
 from dsec_storage_3fs.images import busybox_tree, ensure_layer
 from dsec_storage_3fs.mounts import unmount_under
 
-from dsec_kernel.backend import ExecCall, SandboxRef
-from dsec_kernel.cgroups import v1_controllers
-from dsec_kernel.conformance import started
-from dsec_kernel.errors import DsecError
-from dsec_kernel.storage import open_store
-from dsec_kernel.wire import SANDBOX_ID_PATTERN, EdgeSandbox, Env, SandboxSpec
+from dsec_kernel.contract.backend import ExecCall, SandboxRef
+from dsec_kernel.contract.conformance import started
+from dsec_kernel.contract.errors import DsecError
+from dsec_kernel.contract.wire import SANDBOX_ID_PATTERN, EdgeSandbox, Env, SandboxSpec
+from dsec_kernel.linuxhost.cgroups import v1_controllers
+from dsec_kernel.loader import open_store
 
 TARGET_COUNT = 3200
 TARGET_MIB = 1.0

@@ -2,7 +2,8 @@
 
     python benchmarks/bench_layers.py [--starts 100] [--only fraction|cold] [--sdist FILE]
 
-Runs the container backend in this process, without NATS (``dsec_kernel.conformance.started``),
+Runs the container backend in this process, without NATS
+(``dsec_kernel.contract.conformance.started``),
 on a fresh layer store in a temporary directory ($TMPDIR, or --tmp-dir: a local disk, not
 tmpfs), so nothing else on the node has its images mounted or holds them. Into it go
 ``debian-python:12`` (base; its tree is built by debootstrap once per machine and cached in
@@ -75,11 +76,12 @@ from dsec_storage_3fs.mounts import unmount_under
 from dsec_storage_3fs.pagecache import tree_resident_bytes
 from stats import pct
 
-from dsec_kernel.backend import ExecCall, SandboxRef
-from dsec_kernel.conformance import started
-from dsec_kernel.errors import DsecError, NotFound
-from dsec_kernel.storage import Layer, LayerStore, LayerUsage, open_store
-from dsec_kernel.wire import SANDBOX_ID_PATTERN, EdgeSandbox, Env, ExecResult, SandboxSpec
+from dsec_kernel.contract.backend import ExecCall, SandboxRef
+from dsec_kernel.contract.conformance import started
+from dsec_kernel.contract.errors import DsecError, NotFound
+from dsec_kernel.contract.store import Layer, LayerStore, LayerUsage
+from dsec_kernel.contract.wire import SANDBOX_ID_PATTERN, EdgeSandbox, Env, ExecResult, SandboxSpec
+from dsec_kernel.loader import open_store
 
 PROJECT, VERSION = "more-itertools", "10.2.0"
 ENV = Env(base="debian-python:12", workspace=f"{PROJECT}:{VERSION}")

@@ -32,10 +32,10 @@ from dsec_backend_container.reclaim import ZramSwap, freeze
 from dsec_storage_3fs.images import busybox_tree, ensure_layer
 from stats import p50_p99_ms
 
-from dsec_kernel.backend import ExecCall, SandboxRef
-from dsec_kernel.conformance import started
-from dsec_kernel.storage import open_store
-from dsec_kernel.wire import EdgeSandbox, Env, SandboxSpec
+from dsec_kernel.contract.backend import ExecCall, SandboxRef
+from dsec_kernel.contract.conformance import started
+from dsec_kernel.contract.wire import EdgeSandbox, Env, SandboxSpec
+from dsec_kernel.loader import open_store
 
 
 async def sh(b: ContainerBackend, sid: str, script: str) -> bytes:

@@ -23,7 +23,7 @@ from stats import p50_p99_ms
 
 import dsec_kernel as dsec
 from dsec_kernel.cluster import LocalCluster
-from dsec_kernel.storage import open_store
+from dsec_kernel.loader import open_store
 
 ENV = dsec.Env(base="busybox:1")
 

@@ -41,7 +41,7 @@ from stats import pct
 
 import dsec_kernel as dsec
 from dsec_kernel.cluster import LocalCluster
-from dsec_kernel.storage import open_store
+from dsec_kernel.loader import open_store
 
 EDITS = 20
 

@@ -18,7 +18,7 @@ from dsec_kernel import bus
 from dsec_kernel.cli.services import freeze_long_lived
 from dsec_kernel.config import EdgeSettings
 from dsec_kernel.edge import Edge, load_backends
-from dsec_kernel.plugins import Hooks
+from dsec_kernel.loader import load_hooks
 
 
 async def main(url: str, count: int, prefix: str) -> None:
@@ -28,7 +28,7 @@ async def main(url: str, count: int, prefix: str) -> None:
         pass
     login = bus.Login.read(os.environ["DSEC_NATS_LOGIN_FILE"])
     nc = await bus.connect(url, name="sim-edges", login=login)
-    hooks = Hooks.load(guards=[])
+    hooks = load_hooks(guards=[])
     edges = []
     with tempfile.TemporaryDirectory(prefix="dsec-sim-") as tmp:
         for i in range(count):
@@ -40,7 +40,10 @@ async def main(url: str, count: int, prefix: str) -> None:
                 heartbeat_s=1.0,
             )
             backends, _ = load_backends(s)
-            edge = Edge(nc, s, backends, hooks, connect=lambda: bus.connect(url, login=login))
+            edge = Edge(
+                nc, s, backends, hooks,
+                connect=lambda: bus.connect(url, name="sim-heartbeat", login=login),
+            )  # fmt: skip
             await edge.start()
             edges.append(edge)
         print("ready", flush=True)

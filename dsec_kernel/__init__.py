@@ -3,12 +3,12 @@
 ``import dsec_kernel as dsec`` gives the SDK::
 
     async with dsec.AsyncClient() as c:
-        sbs = await c.create(count=8, backend="fncall", ttl=600)
+        sbs = await c.create(count=8, ttl=600)  # on the cluster's default backend
         results = await c.exec_many(sbs, "echo hi", timeout=10)
 
 The same package holds the kernel (wire models, hooks, plugins, bus, apiserver, edge) that
 plugins build on; see docs/architecture.md. Names are imported on first use, so importing a
-small module such as :mod:`dsec_kernel.linux` stays cheap.
+small module such as :mod:`dsec_kernel.linuxhost.syscalls` stays cheap.
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ _EXPORTS = {
     "NotCreated": "dsec_kernel.sdk",
     "check": "dsec_kernel.sdk",
     "build_toolkit": "dsec_kernel.sdk.toolkits",
-    "PauseReport": "dsec_kernel.wire",
-    "Env": "dsec_kernel.wire",
-    "FsDiff": "dsec_kernel.wire",
-    "ExecResult": "dsec_kernel.wire",
-    "Limits": "dsec_kernel.wire",
-    "NodeInfo": "dsec_kernel.wire",
-    "SandboxInfo": "dsec_kernel.wire",
-    "hookimpl": "dsec_kernel.plugins",
+    "PauseReport": "dsec_kernel.contract.wire",
+    "Env": "dsec_kernel.contract.wire",
+    "FsDiff": "dsec_kernel.contract.wire",
+    "ExecResult": "dsec_kernel.contract.wire",
+    "Limits": "dsec_kernel.contract.wire",
+    "NodeInfo": "dsec_kernel.contract.wire",
+    "SandboxInfo": "dsec_kernel.contract.wire",
+    "hookimpl": "dsec_kernel.contract.hookspecs",
     **{
-        name: "dsec_kernel.errors"
+        name: "dsec_kernel.contract.errors"
         for name in (
             "CapacityExceeded",
             "Conflict",
@@ -78,7 +78,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from dsec_kernel.errors import (
+    from dsec_kernel.contract.errors import (
         CapacityExceeded,
         Conflict,
         DeadlineExceeded,
@@ -96,7 +96,16 @@ if TYPE_CHECKING:
         UnknownBackend,
         Unsupported,
     )
-    from dsec_kernel.plugins import hookimpl
+    from dsec_kernel.contract.hookspecs import hookimpl
+    from dsec_kernel.contract.wire import (
+        Env,
+        ExecResult,
+        FsDiff,
+        Limits,
+        NodeInfo,
+        PauseReport,
+        SandboxInfo,
+    )
     from dsec_kernel.sdk import (
         AsyncClient,
         Client,
@@ -110,12 +119,3 @@ if TYPE_CHECKING:
         check,
     )
     from dsec_kernel.sdk.toolkits import build_toolkit
-    from dsec_kernel.wire import (
-        Env,
-        ExecResult,
-        FsDiff,
-        Limits,
-        NodeInfo,
-        PauseReport,
-        SandboxInfo,
-    )

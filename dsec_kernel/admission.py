@@ -33,9 +33,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dsec_kernel import errors
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import Quota, SandboxInfo, SandboxSpec
 from dsec_kernel.state import QUOTAS, Mirror
-from dsec_kernel.wire import Quota, SandboxInfo, SandboxSpec
 
 if TYPE_CHECKING:
     from dsec_kernel.apiserver import ApiServer

@@ -23,17 +23,13 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
-from dsec_kernel import __version__, bus, errors
+from dsec_kernel import __version__, bus
 from dsec_kernel.admission import Admission
 from dsec_kernel.config import ApiSettings
-from dsec_kernel.fairshare import TenantSlots
-from dsec_kernel.leases import Leases
-from dsec_kernel.placement import NodeView, PlacementPolicy, PlacementRequest
-from dsec_kernel.plugins import Hooks
-from dsec_kernel.pools import Pools
-from dsec_kernel.state import LIVE, NODES, SANDBOXES, TENANTS, ClusterState, Mirror
-from dsec_kernel.trajectory import Trajectory
-from dsec_kernel.wire import (
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.hooks import Hooks
+from dsec_kernel.contract.placement import NodeView, PlacementPolicy, PlacementRequest
+from dsec_kernel.contract.wire import (
     MAX_BATCH,
     CreateFailure,
     CreateRequest,
@@ -70,6 +66,11 @@ from dsec_kernel.wire import (
     WriteFileRequest,
     fit_results,
 )
+from dsec_kernel.fairshare import TenantSlots
+from dsec_kernel.leases import Leases
+from dsec_kernel.pools import Pools
+from dsec_kernel.state import LIVE, NODES, SANDBOXES, TENANTS, ClusterState, Mirror
+from dsec_kernel.trajectory import Trajectory
 
 __all__ = ["LIST_PAGE_BYTES", "ApiServer"]
 
@@ -437,6 +438,7 @@ class ApiServer:
     async def _create(self, req: bus.Request) -> CreateResponse:
         tenant = await self._auth(req)
         r = CreateRequest.model_validate_json(req.data)
+        r.spec = self.with_backend(r.spec)
         if not r.request_id:
             return await self._create_once(tenant, r)
         key = (tenant, r.request_id)
@@ -560,6 +562,19 @@ class ApiServer:
         ids = self._by_request.get((tenant, request_id), ())
         hits = [self.sandboxes.items.get(i) for i in sorted(ids)]
         return [h[0] for h in hits if h is not None]
+
+    def with_backend(self, spec: SandboxSpec) -> SandboxSpec:
+        """``spec`` with the cluster's default backend if it names none (InvalidArgument when
+        the operator set no default)."""
+        if spec.backend is not None:
+            return spec
+        if self.settings.default_backend is None:
+            known = sorted({b.name for v in self.views.values() for b in v.info.backends})
+            raise errors.InvalidArgument(
+                "name a backend: this cluster has no default (DSEC_DEFAULT_BACKEND of its "
+                f"apiservers; `dsec up` sets it); it runs {', '.join(known) or 'none yet'}"
+            )
+        return spec.model_copy(update={"backend": self.settings.default_backend})
 
     def check_spec(self, tenant: str, spec: SandboxSpec) -> None:
         """Raise the typed error a create of ``spec`` would meet before reaching a node."""

@@ -5,9 +5,9 @@ Subjects (all under ``dsec.``)::
     dsec.api.v1.<op>             apiserver endpoints   (queue group "apiserver")
     dsec.edge.<node>.v1.<op>     one node's edge       (queue group "edge")
 
-A reply is either the expected message, or an :class:`~dsec_kernel.wire.Error` body with
+A reply is either the expected message, or an :class:`~dsec_kernel.contract.wire.Error` body with
 the NATS micro error headers (``Nats-Service-Error-Code``); :func:`request` raises the
-matching :class:`~dsec_kernel.errors.DsecError`. Callers authenticate with the
+matching :class:`~dsec_kernel.contract.errors.DsecError`. Callers authenticate with the
 ``Dsec-Token`` header.
 
 Logins: the services log in as the service user (:class:`Login`, from a file); each tenant
@@ -43,8 +43,9 @@ from nats.micro.request import ERROR_CODE_HEADER
 from nats.micro.service import EndpointConfig, Service
 from pydantic import BaseModel, ValidationError
 
-from dsec_kernel import errors, replies
-from dsec_kernel.wire import Error, Message
+from dsec_kernel import replies
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import Error, Message
 
 __all__ = [
     "TIMEOUT_HEADER",

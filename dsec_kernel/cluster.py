@@ -17,15 +17,17 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from dsec_kernel import bus, errors
+from dsec_kernel import bus
 from dsec_kernel.connection import Connection
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import NodeInfo, NodesRequest, NodesResponse, Quota
+from dsec_kernel.linuxhost.nodenet import NodeNetwork
+from dsec_kernel.linuxhost.procs import die_with_parent, stop_process
+from dsec_kernel.loader import default_backend
 from dsec_kernel.natscluster import NatsCluster
 from dsec_kernel.natsserver import NatsServer
-from dsec_kernel.nodenet import NodeNetwork
-from dsec_kernel.procs import die_with_parent, stop_process
 from dsec_kernel.sdk import AsyncClient
 from dsec_kernel.state import ClusterState
-from dsec_kernel.wire import NodeInfo, NodesRequest, NodesResponse, Quota
 
 __all__ = ["Child", "LocalCluster", "ensure_tenant", "wait_ready"]
 
@@ -234,6 +236,10 @@ class LocalCluster:
         self.env["DSEC_NATS_LOGIN_FILE"] = str(self.nats.login_file)
 
     def start_apiserver(self, *args: str) -> Child:
+        """Start an apiserver; the cluster's default backend is ``DSEC_DEFAULT_BACKEND`` of
+        ``env``, else the one :func:`~dsec_kernel.loader.default_backend` picks."""
+        if "DSEC_DEFAULT_BACKEND" not in self.env:
+            self.env["DSEC_DEFAULT_BACKEND"] = default_backend()
         i = len(self.apiservers)
         child = Child(
             f"apiserver-{i}",

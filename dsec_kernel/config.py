@@ -14,8 +14,7 @@ from typing import Any
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from dsec_kernel.placement import PlacementConfig
-from dsec_kernel.wire import NAME_PATTERN
+from dsec_kernel.contract.wire import NAME_PATTERN
 
 __all__ = [
     "ApiSettings",
@@ -57,8 +56,19 @@ class _Common(BaseSettings):
 class ApiSettings(_Common):
     """Settings of an apiserver process."""
 
-    placement: str = Field("least-loaded", description="the dsec.placement policy to use")
-    placement_config: PlacementConfig = Field(default_factory=PlacementConfig)
+    default_backend: str | None = Field(
+        None,
+        pattern=NAME_PATTERN,
+        description="the backend of a create that names none (`dsec up` sets it); unset: "
+        "such a create is refused",
+    )
+    placement: str | None = Field(
+        None,
+        description="the dsec.placement policy; unset: the installed one its plugin prefers",
+    )
+    placement_config: dict[str, Any] = Field(
+        default_factory=dict, description="its configuration, validated by the policy"
+    )
     node_timeout_s: float = Field(
         5.0, gt=0, description="a node silent this long is marked down, its sandboxes lost"
     )
@@ -122,7 +132,9 @@ class StorageSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="DSEC_", env_nested_delimiter="__", extra="ignore")
 
-    storage: str = Field("3fs", description="the dsec.storage driver")
+    storage: str | None = Field(
+        None, description="the dsec.storage driver; unset: the installed one its plugin prefers"
+    )
     storage_config: dict[str, Any] = Field(
         default_factory=dict, description="its configuration, e.g. DSEC_STORAGE_CONFIG__ROOT"
     )

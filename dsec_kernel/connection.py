@@ -18,8 +18,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dsec_kernel import errors
 from dsec_kernel.config import default_state_dir
+from dsec_kernel.contract import errors
 
 __all__ = [
     "Connection",

@@ -19,16 +19,13 @@ from contextlib import suppress
 from typing import Any
 
 from nats.aio.client import Client as NATS
-from pydantic import ValidationError
 
-from dsec_kernel import __version__, bus, errors
-from dsec_kernel.backend import Backend, BackendContext, ExecCall, SandboxRef
+from dsec_kernel import __version__, bus
 from dsec_kernel.config import EdgeSettings
-from dsec_kernel.heartbeat import Heartbeat
-from dsec_kernel.plugins import Hooks, PluginLoadError, discover, load_drivers
-from dsec_kernel.state import LIVE, ClusterState
-from dsec_kernel.trajectory import Replays, Trajectory
-from dsec_kernel.wire import (
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.backend import Backend, BackendContext, ExecCall, SandboxRef
+from dsec_kernel.contract.hooks import Hooks
+from dsec_kernel.contract.wire import (
     MAX_RESPONSE_OUTPUT,
     BackendInfo,
     CommandRecord,
@@ -63,6 +60,10 @@ from dsec_kernel.wire import (
     fit_results,
     shell_argv,
 )
+from dsec_kernel.heartbeat import Heartbeat
+from dsec_kernel.loader import PluginLoadError, configured, discover, load_drivers
+from dsec_kernel.state import LIVE, ClusterState
+from dsec_kernel.trajectory import Replays, Trajectory
 
 __all__ = ["Edge", "load_backends"]
 
@@ -96,13 +97,7 @@ def load_backends(settings: EdgeSettings) -> tuple[dict[str, Backend], dict[str,
                 raise PluginLoadError(f"backend {name!r} cannot run on this machine: {reason}")
             skipped[name] = reason
             continue
-        try:
-            config = cls.Config.model_validate(settings.backend_config.get(name, {}))
-        except ValidationError as exc:
-            raise PluginLoadError(
-                f"backend {name!r} configuration is invalid: {bus.validation_message(exc)}"
-            ) from None
-        backends[name] = cls(config)
+        backends[name] = cls(configured("backend", name, cls, settings.backend_config.get(name)))
     installed = {p.name for p in discover("dsec.backends")}
     unknown = set(settings.backend_config) - installed
     if unknown:

@@ -26,7 +26,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from dsec_kernel import errors
+from dsec_kernel.contract import errors
 
 __all__ = ["TenantSlots"]
 

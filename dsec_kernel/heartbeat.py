@@ -25,9 +25,10 @@ from contextlib import suppress
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from dsec_kernel import bus, errors
+from dsec_kernel import bus
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import NodeInfo
 from dsec_kernel.state import ClusterState
-from dsec_kernel.wire import NodeInfo
 
 __all__ = ["Heartbeat"]
 

@@ -13,15 +13,16 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from dsec_kernel import bus, errors
-from dsec_kernel.state import JOBS, Mirror
-from dsec_kernel.wire import (
+from dsec_kernel import bus
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import (
     DestroyResponse,
     JobCloseRequest,
     JobInfo,
     JobRenewRequest,
     SandboxInfo,
 )
+from dsec_kernel.state import JOBS, Mirror
 
 if TYPE_CHECKING:
     from dsec_kernel.apiserver import ApiServer

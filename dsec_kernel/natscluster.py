@@ -13,7 +13,8 @@ import socket
 import time
 from pathlib import Path
 
-from dsec_kernel import bus, errors
+from dsec_kernel import bus
+from dsec_kernel.contract import errors
 from dsec_kernel.natsserver import LoginSync, NatsServer
 
 __all__ = ["NatsCluster", "free_port"]

@@ -32,9 +32,10 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 
-from dsec_kernel import bus, errors
+from dsec_kernel import bus
 from dsec_kernel.connection import write_private
-from dsec_kernel.procs import die_with_parent, stop_process
+from dsec_kernel.contract import errors
+from dsec_kernel.linuxhost.procs import die_with_parent, stop_process
 from dsec_kernel.state import TENANTS, Mirror, nats_password, password_hash
 
 __all__ = [

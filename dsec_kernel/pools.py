@@ -18,9 +18,9 @@ from collections import defaultdict, deque
 from contextlib import suppress
 from typing import TYPE_CHECKING
 
-from dsec_kernel import bus, errors
-from dsec_kernel.state import LIVE, POOLS, Mirror
-from dsec_kernel.wire import (
+from dsec_kernel import bus
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import (
     AcquireRequest,
     AcquireResponse,
     CreateRequest,
@@ -32,6 +32,7 @@ from dsec_kernel.wire import (
     RestoreRequest,
     SandboxInfo,
 )
+from dsec_kernel.state import LIVE, POOLS, Mirror
 
 if TYPE_CHECKING:
     from dsec_kernel.apiserver import ApiServer
@@ -78,6 +79,7 @@ class Pools:
     async def open(self, req: bus.Request) -> PoolInfo:
         tenant = await self.api._auth(req)
         r = PoolOpenRequest.model_validate_json(req.data)
+        r.spec = self.api.with_backend(r.spec)
         self.api.check_spec(tenant, r.spec)
         old = self._pool(tenant, r.name)
         info = PoolInfo(

@@ -34,9 +34,9 @@ from nats.js import api
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
-from dsec_kernel import errors
 from dsec_kernel.bus import token_key
-from dsec_kernel.wire import NAME_PATTERN, JobInfo, NodeInfo, SandboxInfo
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import NAME_PATTERN, JobInfo, NodeInfo, SandboxInfo
 
 __all__ = [
     "BUCKETS",

@@ -22,9 +22,9 @@ import nats.js.errors
 from nats.js import api
 from nats.js.client import JetStreamContext
 
-from dsec_kernel import errors
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import CommandRecord, ExecResult
 from dsec_kernel.state import ensure_replicas, publish
-from dsec_kernel.wire import CommandRecord, ExecResult
 
 __all__ = ["READ_BYTES", "Replays", "Trajectory", "stream", "subject"]
 

@@ -52,7 +52,7 @@ async def containers(c: dsec.AsyncClient) -> None:
     """Stateful sandboxes on a layer: files, a snapshot, a diff, a restore and two forks."""
     from dsec_storage_3fs.images import busybox_tree, ensure_layer
 
-    from dsec_kernel.storage import open_store
+    from dsec_kernel.loader import open_store
 
     ensure_layer(open_store(), "base", "busybox", "1", busybox_tree)  # once per store
     env = dsec.Env(base="busybox:1")

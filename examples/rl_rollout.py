@@ -68,7 +68,7 @@ async def reclaimed_mb(c: dsec.AsyncClient, node: str) -> int:
 async def main() -> int:
     from dsec_storage_3fs.images import busybox_tree, ensure_layer
 
-    from dsec_kernel.storage import open_store
+    from dsec_kernel.loader import open_store
 
     log = Timeline()
     async with dsec.AsyncClient() as c:

@@ -24,8 +24,8 @@ from pathlib import Path
 from dsec_storage_3fs.images import debian_python
 
 import dsec_kernel as dsec
-from dsec_kernel.errors import NotFound
-from dsec_kernel.storage import open_store
+from dsec_kernel.contract.errors import NotFound
+from dsec_kernel.loader import open_store
 
 PROJECT, VERSION = "more-itertools", "10.2.0"
 SRC = "/workspace/more_itertools/more.py"

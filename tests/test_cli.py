@@ -15,9 +15,9 @@ import pytest
 from dsec_backend_fncall.backend import FncallBackend
 
 import dsec_kernel as dsec
-from dsec_kernel import errors
 from dsec_kernel.cli import exitcodes
 from dsec_kernel.cli.parser import parser
+from dsec_kernel.contract import errors
 
 REASON = FncallBackend.unavailable_reason()
 

@@ -14,10 +14,10 @@ import pytest
 from dsec_storage_3fs.images import Busybox
 from pydantic import TypeAdapter
 
-from dsec_kernel import errors
 from dsec_kernel.cli import exitcodes
 from dsec_kernel.cli.parser import _REF
-from dsec_kernel.wire.sandbox import LayerRef
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire.sandbox import LayerRef
 
 NEEDS = (
     "needs root (file owners, mounts)" if os.geteuid() != 0

@@ -20,8 +20,8 @@ from dsec_storage_3fs.images import busybox_tree, ensure_layer
 import dsec_kernel as dsec
 from dsec_kernel import bus
 from dsec_kernel.cluster import LocalCluster
+from dsec_kernel.loader import open_store
 from dsec_kernel.state import BUCKETS, ensure_replicas
-from dsec_kernel.storage import open_store
 from dsec_kernel.trajectory import stream as trajectory_stream
 
 REASON = ContainerBackend.unavailable_reason() or (

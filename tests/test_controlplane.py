@@ -14,19 +14,16 @@ import time
 from collections import Counter
 
 import pytest
+from dsec_placement_basic import LeastLoaded
 
 import dsec_kernel as dsec
-from dsec_kernel import bus, errors
+from dsec_kernel import bus
 from dsec_kernel.apiserver import ApiServer
-from dsec_kernel.backend import Backend, Capabilities, SandboxRef, SandboxStatus
 from dsec_kernel.cluster import ensure_tenant
 from dsec_kernel.config import ApiSettings, EdgeSettings
-from dsec_kernel.edge import Edge, load_backends
-from dsec_kernel.natsserver import NatsServer
-from dsec_kernel.placement import LeastLoaded
-from dsec_kernel.plugins import Hooks
-from dsec_kernel.state import ClusterState
-from dsec_kernel.wire import (
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.backend import Backend, Capabilities, SandboxRef, SandboxStatus
+from dsec_kernel.contract.wire import (
     CreateRequest,
     CreateResponse,
     EdgeSandbox,
@@ -36,6 +33,10 @@ from dsec_kernel.wire import (
     Quota,
     SandboxSpec,
 )
+from dsec_kernel.edge import Edge, load_backends
+from dsec_kernel.loader import load_hooks
+from dsec_kernel.natsserver import NatsServer
+from dsec_kernel.state import ClusterState
 
 HEARTBEAT = 0.2
 NODE_TIMEOUT = 1.5
@@ -58,11 +59,13 @@ class Platform:
         return nc
 
     async def add_apiserver(self, **cfg) -> ApiServer:
-        hooks = Hooks.load(guards=[])
+        hooks = load_hooks(guards=[])
         settings = ApiSettings(
             nats_url=self.url, node_timeout_s=NODE_TIMEOUT, heartbeat_s=HEARTBEAT, **cfg
         )
-        api = ApiServer(await self._nc("api"), settings, hooks, LeastLoaded(hooks))
+        api = ApiServer(
+            await self._nc("api"), settings, hooks, LeastLoaded(LeastLoaded.Config(), hooks)
+        )
         await api.start()
         self.apis.append(api)
         return api
@@ -79,7 +82,7 @@ class Platform:
         if backends is None:
             backends, _ = load_backends(settings)
         edge = Edge(
-            await self._nc(node), settings, backends, Hooks.load(guards=[]),
+            await self._nc(node), settings, backends, load_hooks(guards=[]),
             connect=lambda: bus.connect(self.url, name=f"{node}-heartbeat"),
         )  # fmt: skip
         await edge.start()
@@ -433,7 +436,7 @@ async def test_an_edge_whose_loop_is_held_past_the_node_timeout_stays_up(platfor
         )  # fmt: skip
         edge = Edge(
             await bus.connect(platform.url, name="e1"), settings, load_backends(settings)[0],
-            Hooks.load(guards=[]), connect=lambda: bus.connect(platform.url, name="e1-beat"),
+            load_hooks(guards=[]), connect=lambda: bus.connect(platform.url, name="e1-beat"),
         )  # fmt: skip
         await edge.start()
         return edge

@@ -42,11 +42,11 @@ import pytest
 from dsec_backend_container.backend import ContainerBackend
 from dsec_backend_fncall.backend import FncallBackend
 
-from dsec_kernel.backend import Backend
 from dsec_kernel.cluster import LocalCluster
-from dsec_kernel.placement import NodeView, PlacementRequest
-from dsec_kernel.plugins import GROUPS, Hooks
-from dsec_kernel.wire import BackendInfo, Capabilities, NodeInfo, NodeLoad, SandboxSpec
+from dsec_kernel.contract.backend import Backend
+from dsec_kernel.contract.placement import NodeView, PlacementRequest
+from dsec_kernel.contract.wire import BackendInfo, Capabilities, NodeInfo, NodeLoad, SandboxSpec
+from dsec_kernel.loader import GROUPS, load_hooks
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [
@@ -347,7 +347,7 @@ def test_the_example_conformance_tests_pass_against_a_real_backend(tmp_path):
     (pkg / "pyproject.toml").write_text(plugin_file("pyproject.toml"))
     (pkg / "tests" / "test_conformance.py").write_text(plugin_file("tests/test_conformance.py"))
     (pkg / "conftest.py").write_text(
-        'import pytest\n\npytest.register_assert_rewrite("dsec_kernel.conformance")\n'
+        'import pytest\n\npytest.register_assert_rewrite("dsec_kernel.contract.conformance")\n'
     )
     (pkg / "dsec_backend_mine.py").write_text(
         "from dsec_backend_fncall.backend import FncallBackend as MineBackend  # noqa: F401\n"
@@ -367,7 +367,7 @@ def test_the_example_placement_policy_places_on_the_coolest_node(tmp_path):
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    policy = module.CoolestFirst(Hooks.load(guards=[]))
+    policy = module.CoolestFirst(load_hooks(guards=[]))
 
     def node(name: str, cpu_load: float, used: int) -> NodeView:
         backends = [BackendInfo(name="noop", capabilities=Capabilities(max_sandboxes=10))]

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from dsec_kernel import errors
+from dsec_kernel.contract import errors
 from dsec_kernel.fairshare import TenantSlots
 
 

@@ -6,10 +6,11 @@ from pathlib import Path
 import pluggy
 import pytest
 
-from dsec_kernel import hookimpl, hookspecs
-from dsec_kernel.placement import NodeView, PlacementRequest
-from dsec_kernel.plugins import Hooks
-from dsec_kernel.wire import ExecRequest, NodeInfo, SandboxInfo, SandboxSpec
+from dsec_kernel.contract import hookspecs
+from dsec_kernel.contract.hookspecs import hookimpl
+from dsec_kernel.contract.placement import NodeView, PlacementRequest
+from dsec_kernel.contract.wire import ExecRequest, NodeInfo, SandboxInfo, SandboxSpec
+from dsec_kernel.loader import load_hooks
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
 SPECS = [n for n, f in inspect.getmembers(hookspecs, inspect.isfunction) if n.startswith("dsec_")]
@@ -38,7 +39,7 @@ def test_a_misspelt_hook_fails_at_load():
             pass
 
     with pytest.raises(pluggy.PluginValidationError):
-        Hooks.load(plugins=[Typo()], guards=[])
+        load_hooks(plugins=[Typo()], guards=[])
 
 
 class Recorder:
@@ -95,7 +96,7 @@ class Recorder:
 async def test_every_hook_through_the_facade():
     rec = Recorder()
     other = Recorder()
-    hooks = Hooks.load(plugins=[rec], guards=[])
+    hooks = load_hooks(plugins=[rec], guards=[])
     hooks.configure("edge", "n")
     hooks.register(other)  # historic: a late plugin still hears about configure
     assert ("configure", "edge", "n") in rec.calls and ("configure", "edge", "n") in other.calls
@@ -132,7 +133,7 @@ async def test_a_failing_notification_does_not_break_the_caller(caplog):
 
     # either order of registration: pluggy's own call stopped at the first that raised
     for plugins in ([Listening(), Broken()], [Broken(), Listening()]):
-        hooks = Hooks.load(plugins=plugins, guards=[])
+        hooks = load_hooks(plugins=plugins, guards=[])
         await hooks.sandbox_created(SB)
     assert told == [SB.id, SB.id]
     assert "plugin bug" in caplog.text and "of plugin" in caplog.text

@@ -19,15 +19,16 @@ import time
 
 import nats
 import pytest
+from dsec_placement_basic import LeastLoaded
 
 import dsec_kernel as dsec
-from dsec_kernel import bus, errors
+from dsec_kernel import bus
 from dsec_kernel.apiserver import ApiServer
 from dsec_kernel.cluster import LocalCluster, ensure_tenant
 from dsec_kernel.config import ApiSettings
+from dsec_kernel.contract import errors
+from dsec_kernel.loader import load_hooks
 from dsec_kernel.natsserver import NatsServer
-from dsec_kernel.placement import LeastLoaded
-from dsec_kernel.plugins import Hooks
 from dsec_kernel.state import ClusterState
 
 API_LIST = bus.api_subject("list")
@@ -38,8 +39,13 @@ async def server(tmp_path):
     """A nats-server following the tenants bucket, with an apiserver."""
     with NatsServer(tmp_path / "nats") as server:
         nc = await bus.connect(server.service_url, name="apiserver")
-        hooks = Hooks.load(guards=[])
-        api = ApiServer(nc, ApiSettings(nats_url=server.client_url), hooks, LeastLoaded(hooks))
+        hooks = load_hooks(guards=[])
+        api = ApiServer(
+            nc,
+            ApiSettings(nats_url=server.client_url),
+            hooks,
+            LeastLoaded(LeastLoaded.Config(), hooks),
+        )
         await api.start()
         try:
             yield server

@@ -15,7 +15,7 @@ import pytest
 from dsec_backend_fncall.backend import FncallBackend
 
 import dsec_kernel as dsec
-from dsec_kernel import errors
+from dsec_kernel.contract import errors
 
 ROOT = Path(__file__).resolve().parent.parent
 REASON = FncallBackend.unavailable_reason()

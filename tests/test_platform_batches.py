@@ -16,8 +16,8 @@ from dsec_backend_container.backend import ContainerBackend
 from dsec_backend_fncall.backend import FncallBackend
 
 import dsec_kernel as dsec
-from dsec_kernel import errors
-from dsec_kernel.wire import Quota
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import Quota
 
 REASON = ContainerBackend.unavailable_reason() or FncallBackend.unavailable_reason()
 pytestmark = pytest.mark.skipif(

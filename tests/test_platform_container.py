@@ -12,7 +12,7 @@ import pytest
 from dsec_backend_container.backend import ContainerBackend
 
 import dsec_kernel as dsec
-from dsec_kernel import errors
+from dsec_kernel.contract import errors
 
 REASON = ContainerBackend.unavailable_reason()
 pytestmark = pytest.mark.skipif(
@@ -77,7 +77,7 @@ def cgroup_sandboxes(backend_dir: Path) -> list[str]:
     """The sandbox cgroups of the container backend keeping its state in ``backend_dir``."""
     import hashlib
 
-    from dsec_kernel.cgroups import v1_controllers
+    from dsec_kernel.linuxhost.cgroups import v1_controllers
 
     own = hashlib.sha256(str(backend_dir.resolve()).encode()).hexdigest()[:12]
     return [str(p) for p in v1_controllers()["pids"].glob(f"dsec-container-{own}/sb-*")]

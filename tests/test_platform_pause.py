@@ -13,8 +13,8 @@ from dsec_backend_container.backend import ContainerBackend
 from dsec_backend_container.reclaim import hierarchy_root, paused_anywhere
 
 import dsec_kernel as dsec
-from dsec_kernel import errors
-from dsec_kernel.wire import Quota
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import Quota
 
 REASON = ContainerBackend.unavailable_reason()
 pytestmark = pytest.mark.skipif(

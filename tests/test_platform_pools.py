@@ -10,7 +10,7 @@ import pytest
 from dsec_backend_container.backend import ContainerBackend
 
 import dsec_kernel as dsec
-from dsec_kernel import errors
+from dsec_kernel.contract import errors
 
 REASON = ContainerBackend.unavailable_reason()
 pytestmark = pytest.mark.skipif(

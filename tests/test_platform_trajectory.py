@@ -10,9 +10,9 @@ import pytest
 from dsec_backend_container.backend import ContainerBackend
 
 import dsec_kernel as dsec
-from dsec_kernel import errors
 from dsec_kernel.cluster import ensure_tenant
-from dsec_kernel.wire import CommandRecord
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import CommandRecord
 
 REASON = ContainerBackend.unavailable_reason()
 pytestmark = pytest.mark.skipif(

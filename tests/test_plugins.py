@@ -6,7 +6,7 @@ from stevedore import ExtensionManager
 from dsec_kernel.cli import main
 from dsec_kernel.config import EdgeSettings
 from dsec_kernel.edge import load_backends
-from dsec_kernel.plugins import GROUPS, Hooks, PluginLoadError, discover, load_drivers
+from dsec_kernel.loader import GROUPS, PluginLoadError, discover, load_drivers, load_hooks
 
 
 @pytest.fixture
@@ -47,8 +47,8 @@ def test_a_broken_driver_gives_the_reason(fake_dist):
 
 def test_named_broken_guard_stops_start_up_unnamed_is_skipped(fake_dist, caplog):
     with pytest.raises(PluginLoadError):
-        Hooks.load(guards=["broken-guard"])
-    Hooks.load()  # all installed: the broken one is logged and skipped
+        load_hooks(guards=["broken-guard"])
+    load_hooks()  # all installed: the broken one is logged and skipped
     assert "broken-guard" in caplog.text
 
 

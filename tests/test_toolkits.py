@@ -20,8 +20,9 @@ from dsec_backend_container.backend import ContainerBackend
 from dsec_storage_3fs.images import Busybox, DebianPython, busybox_tree
 
 import dsec_kernel as dsec
-from dsec_kernel import errors
-from dsec_kernel.storage import ensure_layer, open_store
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.store import ensure_layer
+from dsec_kernel.loader import open_store
 
 
 def _pypi() -> str | None:

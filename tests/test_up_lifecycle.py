@@ -16,8 +16,8 @@ import pytest
 from dsec_backend_fncall.backend import FncallBackend
 
 import dsec_kernel as dsec
-from dsec_kernel import errors
 from dsec_kernel.cluster import wait_ready
+from dsec_kernel.contract import errors
 
 REASON = FncallBackend.unavailable_reason()
 pytestmark = pytest.mark.skipif(bool(REASON), reason=f"fncall cannot run here: {REASON}")

@@ -8,10 +8,10 @@ import pytest
 from pydantic import ValidationError
 
 import dsec_kernel
-from dsec_kernel import errors, wire
 from dsec_kernel.cli import main
+from dsec_kernel.contract import errors, wire
 
-SCHEMAS = Path(dsec_kernel.__file__).parent / "schemas"
+SCHEMAS = Path(dsec_kernel.__file__).parent / "contract" / "schemas"
 
 
 def test_every_message_has_a_versioned_type():
@@ -90,7 +90,9 @@ def test_committed_schemas_match_the_models(tmp_path):
     assert main(["schema", "--out", str(tmp_path)]) == 0
     fresh = {p.name: p.read_text() for p in tmp_path.glob("*.json")}
     committed = {p.name: p.read_text() for p in SCHEMAS.glob("*.json")}
-    assert fresh == committed, "schemas changed: run `dsec schema --out dsec_kernel/schemas`"
+    assert fresh == committed, (
+        "schemas changed: run `dsec schema --out dsec_kernel/contract/schemas`"
+    )
 
 
 def test_batch_results_are_cut_to_fit_one_message():

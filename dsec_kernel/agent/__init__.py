@@ -1,4 +1,4 @@
-"""The gRPC agent protocol (``agent.proto``) and the edge's one client for it."""
+"""The edge's client for the agent protocol (:mod:`dsec_kernel.contract.agent`)."""
 
 from dsec_kernel.agent.client import AgentClient, collect_exec
 

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from dsec_kernel import errors
-from dsec_kernel.agent import agent_pb2 as pb
-from dsec_kernel.agent.agent_pb2_grpc import AgentStub
-from dsec_kernel.wire import ExecResult
+from dsec_kernel.contract.agent import agent_pb2 as pb
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.agent.agent_pb2_grpc import AgentStub
+from dsec_kernel.contract.wire import ExecResult
 
 __all__ = ["AgentClient", "collect_exec", "status_error", "unix_target"]
 
@@ -86,7 +86,7 @@ async def collect_exec(events: AsyncIterator[pb.ExecEvent], sandbox_id: str = ""
 class AgentClient:
     """An async client for one agent endpoint (``unix:///path`` or ``host:port``).
 
-    Every method raises a :class:`~dsec_kernel.errors.DsecError`, never a gRPC error.
+    Every method raises a :class:`~dsec_kernel.contract.errors.DsecError`, never a gRPC error.
     """
 
     def __init__(self, target: str) -> None:
@@ -153,10 +153,11 @@ class AgentClient:
             raise status_error(exc, f"write {path}", self.target) from None
         return resp.size
 
-    async def signal(self, sandbox: str, exec_id: str, signum: int) -> int:
+    async def signal(self, sandbox: str, signum: int) -> int:
+        """Send ``signum`` to every running command of ``sandbox``; how many got it."""
         try:
             resp = await self._stub.Signal(
-                pb.SignalRequest(sandbox=sandbox, exec_id=exec_id, signal=signum), timeout=10
+                pb.SignalRequest(sandbox=sandbox, signal=signum), timeout=10
             )
         except grpc.aio.AioRpcError as exc:
             raise status_error(exc, "signal", self.target) from None

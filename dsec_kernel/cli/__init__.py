@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dsec_kernel import errors
 from dsec_kernel.cli import exitcodes
 from dsec_kernel.cli.parser import UsageError, parse, parser
+from dsec_kernel.contract import errors
 
 __all__ = ["main"]
 
@@ -85,7 +85,7 @@ def _cmd_plugins(as_json: bool) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from dsec_kernel.plugins import GROUPS, discover
+    from dsec_kernel.loader import GROUPS, discover
 
     table = Table("group", "name", "version", "status")
     for group in GROUPS:
@@ -115,7 +115,7 @@ def _cmd_plugins(as_json: bool) -> int:
 
 
 def _cmd_schema(out: Path | None) -> int:
-    from dsec_kernel.wire import json_schemas
+    from dsec_kernel.contract.wire import json_schemas
 
     schemas = json_schemas()
     if out is None:
@@ -143,8 +143,8 @@ def _service_login(args: argparse.Namespace) -> tuple[str, Any]:
 
 async def _cmd_tenant(args: argparse.Namespace) -> int:
     from dsec_kernel import bus
+    from dsec_kernel.contract.wire import NAME_PATTERN, Quota
     from dsec_kernel.state import ClusterState, password_hash
-    from dsec_kernel.wire import NAME_PATTERN, Quota
 
     name = args.name
     if args.action != "logins" and not name:
@@ -195,8 +195,8 @@ async def _client_cmd(args: argparse.Namespace) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
+    from dsec_kernel.contract.wire import Env
     from dsec_kernel.sdk import AsyncClient
-    from dsec_kernel.wire import Env
 
     console = Console()
     async with AsyncClient() as c:
@@ -350,7 +350,7 @@ def _main(argv: list[str]) -> int:
         if service
         else "dsec: %(message)s",
     )
-    from dsec_kernel.plugins import PluginLoadError
+    from dsec_kernel.loader import PluginLoadError
 
     try:
         return _run(args)

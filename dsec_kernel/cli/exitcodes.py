@@ -8,7 +8,7 @@ one per kind of failure from 3 up.
 
 from __future__ import annotations
 
-from dsec_kernel import errors
+from dsec_kernel.contract import errors
 
 __all__ = ["TIMED_OUT", "USAGE", "for_error", "for_result"]
 

@@ -15,12 +15,12 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from dsec_kernel import errors
+from dsec_kernel.contract import errors
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from dsec_kernel.storage import Layer, LayerStore
+    from dsec_kernel.contract.store import Layer, LayerStore
 
 __all__ = ["run_layer"]
 
@@ -28,7 +28,7 @@ __all__ = ["run_layer"]
 def run_layer(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from dsec_kernel.storage import open_store
+    from dsec_kernel.loader import open_store
 
     console = Console(stderr=True)
     if args.layer_cmd == "build" and args.recipe is None:
@@ -65,8 +65,8 @@ def run_layer(args: argparse.Namespace) -> int:
 def _build(store: LayerStore, name: str, packages: list[str], console: Console) -> Layer:
     """The recipe's layer (with ``packages`` added): from the store, else built and
     imported."""
-    from dsec_kernel.plugins import load_drivers
-    from dsec_kernel.storage import ensure_layer
+    from dsec_kernel.contract.store import ensure_layer
+    from dsec_kernel.loader import load_drivers
 
     cls = load_drivers("dsec.recipes", [name])[name].obj  # PluginLoadError lists the others
     recipe = cls(packages)
@@ -193,7 +193,7 @@ def _recipes(as_json: bool) -> int:
     from rich.table import Table
 
     from dsec_kernel.cli import _json_line
-    from dsec_kernel.plugins import discover
+    from dsec_kernel.loader import discover
 
     table = Table("recipe", "layer", "kind", "status", "what")
     for info in discover("dsec.recipes"):

@@ -13,10 +13,11 @@ import asyncio
 import logging
 from collections import Counter
 
-from dsec_kernel import bus, errors
+from dsec_kernel import bus
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import DestroyRequest
+from dsec_kernel.contract.wire.sandbox import MAX_BATCH
 from dsec_kernel.state import ClusterState
-from dsec_kernel.wire import DestroyRequest
-from dsec_kernel.wire.sandbox import MAX_BATCH
 
 __all__ = ["describe", "remove_all", "scan"]
 

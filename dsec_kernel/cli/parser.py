@@ -260,7 +260,7 @@ def parser() -> argparse.ArgumentParser:
         "create", "create sandboxes (their ids on stdout, one per line; those not made on stderr)"
     )
     s.add_argument("--count", type=_count, default=1, help="how many")
-    s.add_argument("--backend", default="fncall", help="the backend to run them on")
+    s.add_argument("--backend", help="the backend to run them on (default: the cluster's)")
     s.add_argument("--ttl", type=_positive, help="destroy after this many seconds")
     s.add_argument("--base", type=_ref, help="base layer NAME:VERSION (container backend)")
     s.add_argument("--workspace", type=_ref, help="workspace layer NAME:VERSION")

@@ -16,7 +16,7 @@ from dsec_kernel import bus
 from dsec_kernel.apiserver import ApiServer
 from dsec_kernel.config import ApiSettings, EdgeSettings
 from dsec_kernel.edge import Edge, load_backends
-from dsec_kernel.plugins import Hooks, load_drivers
+from dsec_kernel.loader import load_driver, load_hooks
 
 __all__ = ["freeze_long_lived", "run_apiserver", "run_edge", "serve_until_signalled"]
 
@@ -74,16 +74,15 @@ async def _connect(settings: ApiSettings | EdgeSettings, name: str) -> NATS:
 
 
 async def _apiserver(settings: ApiSettings, stop: asyncio.Event) -> None:
-    hooks = Hooks.load(guards=settings.guards)
-    policy_cls = load_drivers("dsec.placement", [settings.placement])[settings.placement].obj
+    hooks = load_hooks(guards=settings.guards)
+    policy = load_driver("dsec.placement", settings.placement, settings.placement_config, hooks)
     nc = await _connect(settings, "dsec-apiserver")
     api_nc = await _connect(settings, "dsec-apiserver-api")  # tenants' requests: their own
-    policy = policy_cls(hooks, settings.placement_config)
     server = ApiServer(nc, settings, hooks, policy, api_nc=api_nc)
     try:
         await server.start()
         where = ", ".join(u.rpartition("@")[2] for u in settings.nats_url.split(","))
-        log.info("apiserver ready on %s (placement %s)", where, settings.placement)
+        log.info("apiserver ready on %s (placement %s)", where, type(policy).__name__)
         await stop.wait()
     finally:
         await server.stop()
@@ -95,7 +94,7 @@ async def _edge(settings: EdgeSettings, stop: asyncio.Event) -> None:
     backends, skipped = load_backends(settings)
     for name, reason in skipped.items():
         log.warning("backend %s skipped: %s", name, reason)
-    hooks = Hooks.load(guards=settings.guards)
+    hooks = load_hooks(guards=settings.guards)
     nc = await _connect(settings, f"dsec-edge-{settings.node}")
     edge = Edge(nc, settings, backends, hooks)
     try:

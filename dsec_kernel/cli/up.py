@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dsec_kernel import errors
 from dsec_kernel.cli import exitcodes, leftovers
 from dsec_kernel.cluster import LocalCluster, ensure_tenant
 from dsec_kernel.config import default_node_name, default_state_dir
@@ -42,6 +41,8 @@ from dsec_kernel.connection import (
     write_private,
     write_service,
 )
+from dsec_kernel.contract import errors
+from dsec_kernel.loader import default_backend
 
 __all__ = ["cluster_up", "down", "up"]
 
@@ -111,6 +112,7 @@ def up(
     node = node or default_node_name()
     cluster = LocalCluster(state_dir, {"DSEC_STATE_DIR": str(state_dir)})
     cluster.nats.port = port  # type: ignore[union-attr]
+    cluster.env["DSEC_DEFAULT_BACKEND"] = default_backend(backends)
 
     def start() -> str:
         cluster.start_apiserver()
@@ -139,6 +141,7 @@ def cluster_up(
     cluster = LocalCluster(
         state_dir, {"DSEC_STATE_DIR": str(state_dir)}, nats_servers=nats_servers, netns=True
     )
+    cluster.env["DSEC_DEFAULT_BACKEND"] = default_backend(backends)
 
     def start() -> str:
         for _ in range(apiservers):

@@ -12,12 +12,10 @@ from typing import TypeVar
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel, ValidationError
 
-from dsec_kernel import bus, errors
+from dsec_kernel import bus
 from dsec_kernel.connection import resolve
-from dsec_kernel.sdk.job import Job
-from dsec_kernel.sdk.pool import Pool
-from dsec_kernel.sdk.results import BatchEntry, DestroyReport, NotCreated
-from dsec_kernel.wire import (
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import (
     DEFAULT_MAX_OUTPUT,
     MAX_BATCH,
     CommandRecord,
@@ -63,6 +61,9 @@ from dsec_kernel.wire import (
     WriteFileRequest,
     WriteFileResponse,
 )
+from dsec_kernel.sdk.job import Job
+from dsec_kernel.sdk.pool import Pool
+from dsec_kernel.sdk.results import BatchEntry, DestroyReport, NotCreated
 
 __all__ = ["AsyncClient", "Sandbox", "Snapshot"]
 
@@ -312,7 +313,7 @@ class AsyncClient:
     know the token). Batch calls (``create`` with a count, ``exec_many``, ``pause``,
     ``resume``, ``destroy``) answer one entry per sandbox, each with its own ``error``
     (:mod:`dsec_kernel.sdk.results`); they and every other method raise a
-    :class:`~dsec_kernel.errors.DsecError` subclass when the request as a whole fails.
+    :class:`~dsec_kernel.contract.errors.DsecError` subclass when the request as a whole fails.
     """
 
     def __init__(
@@ -438,8 +439,8 @@ class AsyncClient:
         """
         if count < 1:
             raise errors.InvalidArgument(f"count must be at least 1, not {count}")
-        if backend is None:
-            backend = from_snapshot.info.backend if from_snapshot else "fncall"
+        if backend is None and from_snapshot is not None:
+            backend = from_snapshot.info.backend
         spec = _model(
             SandboxSpec,
             backend=backend,

@@ -6,8 +6,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from dsec_kernel import errors
-from dsec_kernel.wire import DestroyResponse, JobCloseRequest, JobInfo, JobRenewRequest
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import DestroyResponse, JobCloseRequest, JobInfo, JobRenewRequest
 
 if TYPE_CHECKING:
     from dsec_kernel.sdk.client import AsyncClient, Sandbox

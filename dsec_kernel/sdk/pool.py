@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dsec_kernel.wire import (
+from dsec_kernel.contract.wire import (
     AcquireRequest,
     AcquireResponse,
     DestroyResponse,

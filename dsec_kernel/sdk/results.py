@@ -5,14 +5,14 @@ The SDK's batch calls answer one entry per sandbox, in the order asked:
 =====================  ====================================================
 call                   entry
 =====================  ====================================================
-``exec_many``          :class:`~dsec_kernel.wire.ExecResult`
-``pause``, ``resume``  :class:`~dsec_kernel.wire.PauseReport`
+``exec_many``          :class:`~dsec_kernel.contract.wire.ExecResult`
+``pause``, ``resume``  :class:`~dsec_kernel.contract.wire.PauseReport`
 ``destroy``            :class:`DestroyReport`
 ``create(count=N)``    :class:`~dsec_kernel.sdk.Sandbox`, or :class:`NotCreated`
 =====================  ====================================================
 
 Every entry has ``error`` (:class:`BatchEntry`): None where the operation was done, else the
-typed error (a :class:`~dsec_kernel.errors.DsecError`) that sandbox met — so a sandbox lost,
+typed error (a :class:`~dsec_kernel.DsecError`) that sandbox met — so a sandbox lost,
 destroyed or paused meanwhile costs the caller none of the others' results. The call itself
 raises only when the request as a whole failed: bad arguments, a credential the platform does
 not know, the platform not answering; and ``create``, when it could make none. (Calls on one
@@ -26,8 +26,8 @@ from typing import Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec_kernel import errors
-from dsec_kernel.wire import TypedError
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import TypedError
 
 __all__ = ["BatchEntry", "DestroyReport", "NotCreated", "check"]
 

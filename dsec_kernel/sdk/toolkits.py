@@ -29,9 +29,9 @@ import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from dsec_kernel import errors
-from dsec_kernel.wire import Env
-from dsec_kernel.wire.snapshot import LayerInfo
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import Env
+from dsec_kernel.contract.wire.snapshot import LayerInfo
 
 if TYPE_CHECKING:
     from dsec_kernel.sdk.client import AsyncClient, Sandbox
@@ -131,6 +131,25 @@ def check_requirements(requirements: Sequence[str]) -> list[str]:
     return list(requirements)
 
 
+async def _layered_backend(client: AsyncClient) -> str:
+    """A backend of the cluster whose sandboxes are made of layers and can be snapshotted
+    (what publishing a toolkit takes); Unsupported if it has none."""
+    able = sorted(
+        {
+            b.name
+            for n in await client.nodes()
+            for b in n.backends
+            if b.capabilities.snapshot and b.capabilities.exec and b.capabilities.files
+        }
+    )
+    if not able:
+        raise errors.Unsupported(
+            "no backend of this cluster can build a toolkit: it takes one whose sandboxes are "
+            "made of layers and can be snapshotted (such as container)"
+        )
+    return able[0]
+
+
 async def build_toolkit(
     client: AsyncClient,
     ref: str,
@@ -140,12 +159,15 @@ async def build_toolkit(
     timeout: float = 900.0,
     cert: bytes | None = None,
     progress: Callable[[str], None] | None = None,
+    backend: str | None = None,
 ) -> LayerInfo:
     """Make the toolkit ``ref`` (``NAME:VERSION``) of ``requirements`` (as ``pip install``
     takes them: ``pytest==8.3.*``, ``hypothesis``...) for ``base``, as the module says.
     ``cert``: a CA bundle (PEM) for pip to trust instead of the base's, where a proxy
     re-signs TLS (pip's ``--cert``; it stays out of the toolkit). ``progress`` hears each
-    line of pip's output as it comes, and the build's other steps.
+    line of pip's output as it comes, and the build's other steps. ``backend``: where the
+    build runs (None: the first, by name, of the cluster's backends that take layers and
+    snapshots).
 
     InvalidArgument for requirements :func:`check_requirements` refuses and for a base with
     no ``python3`` with pip;
@@ -154,8 +176,9 @@ async def build_toolkit(
     say = progress or (lambda _line: None)
     name, _, version = ref.partition(":")
     reqs = check_requirements(requirements)
-    say(f"creating a sandbox of {base} (egress network)")
-    [sb] = await client.create(count=1, backend="container", env=Env(base=base), network="egress")
+    backend = backend or await _layered_backend(client)
+    say(f"creating a {backend} sandbox of {base} (egress network)")
+    [sb] = await client.create(count=1, backend=backend, env=Env(base=base), network="egress")
     try:
         if cert is not None:
             await sb.write_file(_CERT, cert)

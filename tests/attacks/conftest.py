@@ -66,7 +66,7 @@ def platform(tmp_path_factory):
     and ``attacker``."""
     from dsec_storage_3fs.images import busybox_tree, ensure_layer
 
-    from dsec_kernel.storage import open_store
+    from dsec_kernel.loader import open_store
 
     root: Path = tmp_path_factory.mktemp("attacks")
     store = {"root": str(root / "store"), "cache_dir": str(root / "cache")}

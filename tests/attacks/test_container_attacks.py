@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import dsec_kernel as dsec
-from dsec_kernel import errors
+from dsec_kernel.contract import errors
 
 BUSYBOX = dsec.Env(base="busybox:1")
 

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import pytest
 
 import dsec_kernel as dsec
-from dsec_kernel import errors
+from dsec_kernel.contract import errors
 
 
 @pytest.fixture(autouse=True)

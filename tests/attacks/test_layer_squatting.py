@@ -16,8 +16,8 @@ import uuid
 import pytest
 
 import dsec_kernel as dsec
-from dsec_kernel import errors
-from dsec_kernel.wire import LayerInfo
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import LayerInfo
 
 BUSYBOX = dsec.Env(base="busybox:1")
 PLANTED = "/planted-by-attacker"

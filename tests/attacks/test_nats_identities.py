@@ -20,7 +20,8 @@ import nats
 import pytest
 
 import dsec_kernel as dsec
-from dsec_kernel import bus, errors
+from dsec_kernel import bus
+from dsec_kernel.contract import errors
 from dsec_kernel.replies import replies_of
 from dsec_kernel.state import ClusterState
 

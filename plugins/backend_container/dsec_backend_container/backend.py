@@ -51,8 +51,10 @@ from dsec_backend_container.seccomp import write_profile
 from dsec_backend_container.snapshots import Snapshots
 from dsec_backend_container.upperfs import UpperFs
 from dsec_backend_container.userns import UidRanges
-from dsec_kernel import bus, errors
-from dsec_kernel.backend import (
+from dsec_kernel import bus
+from dsec_kernel.config import StorageSettings
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.backend import (
     Backend,
     BackendContext,
     Capabilities,
@@ -61,12 +63,8 @@ from dsec_kernel.backend import (
     SandboxRef,
     SandboxStatus,
 )
-from dsec_kernel.cgroups import Group, favor_dynamic_changes, host_reserve, v1_controllers
-from dsec_kernel.config import StorageSettings
-from dsec_kernel.fairshare import TenantSlots
-from dsec_kernel.fileio import remove_tree
-from dsec_kernel.storage import Layer, LayerStore, open_store
-from dsec_kernel.wire import (
+from dsec_kernel.contract.store import Layer, LayerStore
+from dsec_kernel.contract.wire import (
     MAX_FILE_BYTES,
     SANDBOX_ID_PATTERN,
     EdgeSandbox,
@@ -84,6 +82,10 @@ from dsec_kernel.wire import (
     WriteFileRequest,
     WriteFileResponse,
 )
+from dsec_kernel.fairshare import TenantSlots
+from dsec_kernel.linuxhost.cgroups import Group, favor_dynamic_changes, host_reserve, v1_controllers
+from dsec_kernel.linuxhost.fileio import remove_tree
+from dsec_kernel.loader import open_store
 
 __all__ = ["ContainerBackend", "ContainerConfig"]
 
@@ -203,6 +205,7 @@ class ContainerConfig(BaseModel):
 
 class ContainerBackend(Backend):
     name = "container"
+    preference = 20  # after fncall: a create that names no backend wants the cheapest
     capabilities = Capabilities(
         exec=True,
         files=True,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from dsec_backend_container.lanes import checkpoint
 from dsec_backend_container.overlay import MAX_LISTING, Budget, Entry, Tree, is_whiteout, scan
-from dsec_kernel.wire import FsDiff
+from dsec_kernel.contract.wire import FsDiff
 
 __all__ = ["MAX_COMPARED", "MAX_LISTED", "diff"]
 

@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dsec_kernel import errors
-from dsec_kernel.wire import MAX_FILE_BYTES, ExecResult
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.wire import MAX_FILE_BYTES, ExecResult
 
 __all__ = ["Helper", "compiler"]
 

@@ -14,7 +14,7 @@ import os
 import select
 from collections.abc import Callable
 
-from dsec_kernel import errors
+from dsec_kernel.contract import errors
 
 __all__ = ["Inits", "exited", "process_start"]
 

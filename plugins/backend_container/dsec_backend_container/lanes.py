@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
-from dsec_kernel import errors
+from dsec_kernel.contract import errors
 from dsec_kernel.fairshare import TenantSlots
 
 __all__ = ["Cancelled", "Lanes", "Token", "cancellable", "checkpoint"]

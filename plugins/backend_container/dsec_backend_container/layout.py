@@ -28,8 +28,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_backend_container.upperfs import UpperFs
-from dsec_kernel.fileio import remove_tree
-from dsec_kernel.wire import Limits
+from dsec_kernel.contract.wire import Limits
+from dsec_kernel.linuxhost.fileio import remove_tree
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,8 @@ from pathlib import Path
 
 from pyroute2 import IPRoute
 
-from dsec_kernel import errors, linux
+from dsec_kernel.contract import errors
+from dsec_kernel.linuxhost import syscalls
 
 __all__ = ["NOT_GLOBAL", "Egress"]
 
@@ -268,7 +269,7 @@ table inet {t} {{
         ns.addr("add", index=eth, local=addr, address=str(self.gateway), prefixlen=32)
         ns.link("set", index=eth, state="up")
         ns.route("add", dst="default", gateway=str(self.gateway), oif=eth)
-        linux.loopback_up()
+        syscalls.loopback_up()
 
     def _plug_outside(self, host: IPRoute, link: str, addr: str) -> None:
         """The host's end: no IPv6, the gateway address with the sandbox's as its peer (so a
@@ -291,7 +292,7 @@ table inet {t} {{
         """Undo :meth:`create` (the link, its address and route go with the namespace).
         Idempotent."""
         try:
-            linux.umount(str(nsfile), linux.MNT_DETACH)
+            syscalls.umount(str(nsfile), syscalls.MNT_DETACH)
         except OSError:
             pass
         try:
@@ -452,13 +453,13 @@ def _in_new_netns(
     def run() -> None:
         try:
             with open("/proc/thread-self/ns/net") as own, _iproute() as host:
-                linux.unshare(linux.CLONE_NEWNET)
-                linux.mount("/proc/thread-self/ns/net", str(nsfile), None, linux.MS_BIND)
+                syscalls.unshare(syscalls.CLONE_NEWNET)
+                syscalls.mount("/proc/thread-self/ns/net", str(nsfile), None, syscalls.MS_BIND)
                 for key, value in _INSIDE_SYSCTLS.items():
                     _sysctl(key, value)
                 with _iproute() as ns:
                     inside(host, ns)
-                linux.setns(own.fileno(), linux.CLONE_NEWNET)
+                syscalls.setns(own.fileno(), syscalls.CLONE_NEWNET)
                 outside(host)
         except BaseException as exc:
             failure.append(exc)

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec_backend_container.lanes import checkpoint
-from dsec_kernel import errors
-from dsec_kernel.fileio import remove_tree
+from dsec_kernel.contract import errors
+from dsec_kernel.linuxhost.fileio import remove_tree
 
 __all__ = [
     "MAX_DEPTH",

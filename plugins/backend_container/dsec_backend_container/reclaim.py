@@ -18,8 +18,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from dsec_kernel import errors
-from dsec_kernel.cgroups import Group
+from dsec_kernel.contract import errors
+from dsec_kernel.linuxhost.cgroups import Group
 
 __all__ = [
     "LABEL",

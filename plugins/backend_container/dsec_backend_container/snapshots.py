@@ -31,6 +31,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import secrets
 import time
 from pathlib import Path
@@ -52,9 +53,9 @@ from dsec_backend_container.overlay import (
     scan,
     whiteout,
 )
-from dsec_kernel import errors
-from dsec_kernel.fileio import remove_tree
-from dsec_kernel.storage import LayerStore
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.store import LayerStore
+from dsec_kernel.linuxhost.fileio import remove_tree
 
 __all__ = ["SnapshotMeta", "Snapshots"]
 
@@ -76,6 +77,7 @@ class SnapshotMeta(BaseModel):
 
 #: age past which an unfinished snapshot (``.tmp-*``) is taken for a leftover
 LEFTOVER_S = 3600.0
+_ID = re.compile(r"snap-[0-9a-f]{16}")  # the ids this backend mints
 
 
 class Snapshots:
@@ -93,6 +95,10 @@ class Snapshots:
         self.max_listing = max_listing
 
     def _dir(self, snap_id: str) -> Path:
+        """Where ``snap_id`` lives; NotFound for an id this backend never mints (the kernel
+        takes any opaque id)."""
+        if not _ID.fullmatch(snap_id):
+            raise errors.NotFound(f"no snapshot {snap_id} (deleted, or not yours)")
         return self.root / snap_id
 
     def get(self, snap_id: str, tenant: str | None = None) -> SnapshotMeta:
@@ -176,7 +182,7 @@ class Snapshots:
     ) -> SnapshotMeta:
         """Snapshot ``upper``: what changed since ``baseline``'s manifest (None: all of it),
         on top of ``parent``'s chain. The caller keeps the upper still meanwhile."""
-        snap_id = "snap-" + secrets.token_hex(8)
+        snap_id = "snap-" + secrets.token_hex(8)  # (_ID)
         tmp = self.root / f".tmp-{snap_id}"
         (tmp / "holds").mkdir(parents=True)
         try:

@@ -39,7 +39,8 @@ import struct
 import subprocess
 from pathlib import Path
 
-from dsec_kernel import errors, linux
+from dsec_kernel.contract import errors
+from dsec_kernel.linuxhost import syscalls
 
 __all__ = ["UpperFs"]
 
@@ -170,7 +171,7 @@ class UpperFs:
         if trash.exists() and any(trash.iterdir()):
             return
         try:
-            linux.umount(str(self.root))
+            syscalls.umount(str(self.root))
         except OSError as exc:
             if exc.errno != errno.EINVAL:  # not mounted any more
                 raise

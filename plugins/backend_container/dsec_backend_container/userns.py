@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from dsec_kernel import errors
+from dsec_kernel.contract import errors
 
 __all__ = ["UidRanges"]
 

@@ -8,8 +8,8 @@ import pytest_asyncio
 from dsec_backend_container.backend import ContainerBackend, ContainerConfig
 from dsec_storage_3fs.images import busybox_tree, ensure_layer
 
-from dsec_kernel.conformance import started
-from dsec_kernel.storage import open_store
+from dsec_kernel.contract.conformance import started
+from dsec_kernel.loader import open_store
 
 REASON = ContainerBackend.unavailable_reason()
 

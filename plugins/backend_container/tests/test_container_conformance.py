@@ -2,8 +2,8 @@
 
 from typing import ClassVar
 
-from dsec_kernel.conformance import BackendConformance
-from dsec_kernel.wire import Env
+from dsec_kernel.contract.conformance import BackendConformance
+from dsec_kernel.contract.wire import Env
 
 
 class TestContainerConformance(BackendConformance):

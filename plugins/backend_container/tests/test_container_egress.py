@@ -27,7 +27,7 @@ import pytest
 from dsec_backend_container.network import Egress
 from pyroute2 import IPRoute
 
-from dsec_kernel import linux
+from dsec_kernel.linuxhost import syscalls
 
 T = TypeVar("T")
 PORT = 20000 + int.from_bytes(os.urandom(2)) % 30000
@@ -111,7 +111,7 @@ def in_netns(nsfile: Path, make: Callable[[], T]) -> T:
     def run() -> None:
         try:
             with open(nsfile) as ns:
-                linux.setns(ns.fileno(), linux.CLONE_NEWNET)
+                syscalls.setns(ns.fileno(), syscalls.CLONE_NEWNET)
             result.append(make())
         except BaseException as exc:
             result.append(exc)
@@ -239,7 +239,7 @@ def world(tmp_path_factory) -> Iterator[World]:
         run_in(nsfile, "ip", "link", "set", "eth0", "up")
         yield w
     finally:
-        linux.umount(str(nsfile), linux.MNT_DETACH)  # the veth and the routes go with it
+        syscalls.umount(str(nsfile), syscalls.MNT_DETACH)  # the veth and the routes go with it
 
 
 @pytest.fixture(scope="module")

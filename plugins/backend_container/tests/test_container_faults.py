@@ -14,11 +14,10 @@ from dsec_backend_container.inodes import InodeLimits
 from dsec_backend_container.layout import Trash
 from dsec_backend_container.upperfs import UpperFs
 
-from dsec_kernel import errors
-from dsec_kernel.backend import ExecCall, SandboxRef
-from dsec_kernel.conformance import started
-from dsec_kernel.storage import open_store
-from dsec_kernel.wire import (
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.backend import ExecCall, SandboxRef
+from dsec_kernel.contract.conformance import started
+from dsec_kernel.contract.wire import (
     EdgeSandbox,
     Env,
     Limits,
@@ -26,6 +25,7 @@ from dsec_kernel.wire import (
     SandboxSpec,
     WriteFileRequest,
 )
+from dsec_kernel.loader import open_store
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

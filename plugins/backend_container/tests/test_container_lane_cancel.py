@@ -16,7 +16,7 @@ from dsec_backend_container.lanes import Cancelled, Lanes, Token, cancellable, c
 from dsec_backend_container.overlay import apply, scan
 from dsec_backend_container.snapshots import Snapshots
 
-from dsec_kernel.storage import open_store
+from dsec_kernel.loader import open_store
 
 
 class Counting(Token):

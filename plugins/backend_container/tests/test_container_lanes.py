@@ -9,7 +9,7 @@ import time
 import pytest
 from dsec_backend_container.lanes import Lanes
 
-from dsec_kernel import errors
+from dsec_kernel.contract import errors
 
 
 async def test_one_call_per_tenant_at_a_time_and_others_go_on():

@@ -14,10 +14,10 @@ from dsec_backend_container.backend import ContainerBackend
 from dsec_backend_container.lanes import checkpoint
 from pyroute2 import IPRoute
 
-from dsec_kernel import errors
-from dsec_kernel.backend import ExecCall, SandboxRef
-from dsec_kernel.conformance import started
-from dsec_kernel.wire import (
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.backend import ExecCall, SandboxRef
+from dsec_kernel.contract.conformance import started
+from dsec_kernel.contract.wire import (
     EdgeSandbox,
     Env,
     Limits,

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from dsec_backend_container.reclaim import ZramSwap, freeze, paused_anywhere
 
-from dsec_kernel import errors
-from dsec_kernel.backend import ExecCall, SandboxRef
-from dsec_kernel.wire import EdgeSandbox, Env, Limits, SandboxSpec
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.backend import ExecCall, SandboxRef
+from dsec_kernel.contract.wire import EdgeSandbox, Env, Limits, SandboxSpec
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 ZRAM = Path("/sys/class/zram-control")

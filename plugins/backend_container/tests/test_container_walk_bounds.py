@@ -17,7 +17,7 @@ from dsec_backend_container.fsdiff import diff
 from dsec_backend_container.overlay import PATH_MAX, Budget, TooLarge, TooLong, scan
 from dsec_backend_container.snapshots import Snapshots, _manifest_json
 
-from dsec_kernel.storage import open_store
+from dsec_kernel.loader import open_store
 
 TIB = 1 << 40
 _DIR = os.O_RDONLY | os.O_DIRECTORY

@@ -23,10 +23,10 @@ import dsec_backend_fncall
 import dsec_kernel
 from dsec_backend_fncall.seccomp import compile_profile
 from dsec_backend_fncall.supervisor import DEFAULT_ENV, SupervisorConfig
-from dsec_kernel import errors
 from dsec_kernel.agent import AgentClient
-from dsec_kernel.agent import agent_pb2 as pb
-from dsec_kernel.backend import (
+from dsec_kernel.contract.agent import agent_pb2 as pb
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.backend import (
     Backend,
     BackendContext,
     Capabilities,
@@ -34,10 +34,7 @@ from dsec_kernel.backend import (
     SandboxRef,
     SandboxStatus,
 )
-from dsec_kernel.cgroups import favor_dynamic_changes, v1_controllers
-from dsec_kernel.fileio import remove_tree
-from dsec_kernel.procs import die_with_parent
-from dsec_kernel.wire import (
+from dsec_kernel.contract.wire import (
     MAX_FILE_BYTES,
     SANDBOX_ID_PATTERN,
     EdgeSandbox,
@@ -49,6 +46,9 @@ from dsec_kernel.wire import (
     WriteFileRequest,
     WriteFileResponse,
 )
+from dsec_kernel.linuxhost.cgroups import favor_dynamic_changes, v1_controllers
+from dsec_kernel.linuxhost.fileio import remove_tree
+from dsec_kernel.linuxhost.procs import die_with_parent
 
 __all__ = ["FncallBackend", "FncallConfig"]
 
@@ -142,6 +142,7 @@ def _kernel_at_least(major: int, minor: int) -> bool:
 
 class FncallBackend(Backend):
     name = "fncall"
+    preference = 10  # the cheapest sandbox: what a create that names no backend gets
     capabilities = Capabilities(
         exec=True,
         files=True,
@@ -311,7 +312,7 @@ class FncallBackend(Backend):
             await asyncio.to_thread(remove_tree, d)
         if self.agent is not None:
             try:
-                await self.agent.signal(ref.sandbox_id, "", signal.SIGKILL)
+                await self.agent.signal(ref.sandbox_id, signal.SIGKILL)
             except errors.DsecError as exc:
                 log.warning("could not stop %s's calls: %s", ref.sandbox_id, exc)
 
@@ -359,7 +360,6 @@ class FncallBackend(Backend):
         return await self.agent.exec(
             pb.ExecRequest(
                 sandbox=call.sandbox_id,
-                exec_id=call.exec_id,
                 argv=call.argv,
                 env=call.env,
                 cwd=call.cwd or "",

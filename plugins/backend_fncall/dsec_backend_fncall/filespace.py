@@ -16,7 +16,7 @@ import os
 import stat
 from pathlib import Path
 
-from dsec_kernel import errors
+from dsec_kernel.contract import errors
 
 __all__ = ["BLOCK", "MAX_DEPTH", "FileSpace", "cost"]
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsec_backend_fncall.zygote import BOOT
-from dsec_kernel.cgroups import Group, host_reserve, v1_controllers, v2_own
-from dsec_kernel.procs import die_with_parent
+from dsec_kernel.linuxhost.cgroups import Group, host_reserve, v1_controllers, v2_own
+from dsec_kernel.linuxhost.procs import die_with_parent
 
 if TYPE_CHECKING:
     from dsec_backend_fncall.supervisor import SupervisorConfig
@@ -33,7 +33,7 @@ __all__ = ["Pool", "Worker", "cgroup_base"]
 log = logging.getLogger("dsec.fncall.supervisor")
 #: the zygote's environment: nothing of the supervisor's (or the edge's) is passed on
 ZYGOTE_ENV = {"PYTHONIOENCODING": "utf-8:backslashreplace", "LANG": "C.UTF-8"}
-#: name of the cgroup2 "hierarchy" in :class:`~dsec_kernel.cgroups.Group` dirs
+#: name of the cgroup2 "hierarchy" in :class:`~dsec_kernel.linuxhost.cgroups.Group` dirs
 UNIFIED = "unified"
 
 

@@ -33,13 +33,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_backend_fncall.filespace import BLOCK, MAX_DEPTH, FileSpace, cost
 from dsec_backend_fncall.pool import Pool, Worker
-from dsec_kernel import errors
-from dsec_kernel.agent import agent_pb2 as pb
-from dsec_kernel.agent.agent_pb2_grpc import AgentServicer, add_AgentServicer_to_server
+from dsec_kernel.contract.agent import agent_pb2 as pb
 from dsec_kernel.agent.client import ERROR_CODE_KEY, unix_target
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.agent.agent_pb2_grpc import AgentServicer, add_AgentServicer_to_server
+from dsec_kernel.contract.wire import SANDBOX_ID_PATTERN
 from dsec_kernel.fairshare import TenantSlots
-from dsec_kernel.fileio import read_whole
-from dsec_kernel.wire import SANDBOX_ID_PATTERN
+from dsec_kernel.linuxhost.fileio import read_whole
 
 __all__ = ["SupervisorConfig", "main"]
 
@@ -103,7 +103,6 @@ class _Call:
     before then marks it ``doomed``: its worker is killed as soon as it has one."""
 
     sandbox: str
-    exec_id: str
     worker: Worker | None = None
     doomed: bool = False
 
@@ -213,7 +212,7 @@ class Agent(AgentServicer):
         async with self._turn(request, context):
             if not self._exists(request.sandbox):  # destroyed while the call waited
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no sandbox {request.sandbox}")
-            call = _Call(request.sandbox, request.exec_id)
+            call = _Call(request.sandbox)
             self.running.add(call)
             try:
                 call.worker = worker = await self._hand_over(spec, context)
@@ -257,13 +256,11 @@ class Agent(AgentServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker accepted the call; retry")
 
     async def Signal(self, request: pb.SignalRequest, context) -> pb.SignalResponse:
-        if not request.exec_id and not self._exists(request.sandbox):
+        if not self._exists(request.sandbox):
             self.space.forget(request.sandbox)  # a destroy: its files are gone
         delivered = 0
         for call in list(self.running):
-            if (request.exec_id and call.exec_id == request.exec_id) or (
-                not request.exec_id and call.sandbox == request.sandbox
-            ):
+            if call.sandbox == request.sandbox:
                 delivered += call.signal(request.signal or signal.SIGKILL)
         return pb.SignalResponse(delivered=delivered)
 

@@ -31,7 +31,7 @@ import sys
 import traceback
 from typing import NoReturn
 
-from dsec_kernel import linux
+from dsec_kernel.linuxhost import syscalls
 
 FILES_MOUNT = "/run/dsec-files"
 #: signals the worker passes on to the call's process group
@@ -82,8 +82,8 @@ def worker_main(
         os.setsid()  # no controlling terminal, whatever the zygote's ancestry had
         if not urgent:  # refilling the pool never competes with the calls being served
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        linux.set_pdeathsig(signal.SIGKILL)
-        linux.set_dumpable(False)
+        syscalls.set_pdeathsig(signal.SIGKILL)
+        syscalls.set_dumpable(False)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for target, fd in zip((0, 1, 2), fds, strict=True):
@@ -205,16 +205,18 @@ def _close_fds_except(keep: set[int]) -> None:
 def _prepare_namespaces(cfg: dict) -> None:
     """Enter new namespaces and, still root, mount a private /tmp, /dev/shm, /dev/pts and
     /proc."""
-    linux.unshare(linux.CLONE_NEWNS | linux.CLONE_NEWNET | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS)
-    fl = linux.MS_NOSUID | linux.MS_NODEV
-    linux.mount("tmpfs", "/tmp", "tmpfs", fl, f"mode=1777,size={cfg['tmp_size_mb']}m")
-    linux.mount("tmpfs", "/dev/shm", "tmpfs", fl, "mode=1777,size=16m")
-    linux.mount("devpts", "/dev/pts", "devpts", linux.MS_NOSUID | linux.MS_NOEXEC,
+    syscalls.unshare(
+        syscalls.CLONE_NEWNS | syscalls.CLONE_NEWNET | syscalls.CLONE_NEWIPC | syscalls.CLONE_NEWUTS
+    )
+    fl = syscalls.MS_NOSUID | syscalls.MS_NODEV
+    syscalls.mount("tmpfs", "/tmp", "tmpfs", fl, f"mode=1777,size={cfg['tmp_size_mb']}m")
+    syscalls.mount("tmpfs", "/dev/shm", "tmpfs", fl, "mode=1777,size=16m")
+    syscalls.mount("devpts", "/dev/pts", "devpts", syscalls.MS_NOSUID | syscalls.MS_NOEXEC,
                 f"newinstance,ptmxmode=0666,mode=0620,max={PTYS}")  # fmt: skip
-    linux.mount("proc", "/proc", "proc", fl | linux.MS_NOEXEC)
-    linux.sethostname(cfg["hostname"])
+    syscalls.mount("proc", "/proc", "proc", fl | syscalls.MS_NOEXEC)
+    syscalls.sethostname(cfg["hostname"])
     if cfg["loopback"]:
-        linux.loopback_up()
+        syscalls.loopback_up()
 
 
 def _files_overlay(sandbox: str) -> None:
@@ -224,11 +226,11 @@ def _files_overlay(sandbox: str) -> None:
         return
     os.mkdir("/tmp/.dsec-upper", 0o755)
     os.mkdir("/tmp/.dsec-work", 0o700)
-    linux.mount(
+    syscalls.mount(
         "overlay",
         "/tmp",
         "overlay",
-        linux.MS_NOSUID | linux.MS_NODEV,
+        syscalls.MS_NOSUID | syscalls.MS_NODEV,
         f"lowerdir={lower},upperdir=/tmp/.dsec-upper,workdir=/tmp/.dsec-work",
     )
 
@@ -250,14 +252,14 @@ def _confine(cfg: dict, spec: dict, uid: int) -> None:
         (resource.RLIMIT_CORE, 0),
     ):
         resource.setrlimit(res, (value, value))
-    linux.unshare(linux.CLONE_NEWCGROUP)  # its cgroup is its /: no host cgroup path shows
-    linux.set_no_new_privs()
-    linux.load_seccomp(cfg["bpf"])
+    syscalls.unshare(syscalls.CLONE_NEWCGROUP)  # its cgroup is its /: no host cgroup path shows
+    syscalls.set_no_new_privs()
+    syscalls.load_seccomp(cfg["bpf"])
     os.setgroups([])
     gid = cfg["uid_base"] - 1  # every call shares the sandbox group, which owns its files
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
-    linux.set_dumpable(False)  # a uid change may leave it dumpable (fs.suid_dumpable)
+    syscalls.set_dumpable(False)  # a uid change may leave it dumpable (fs.suid_dumpable)
     os.chdir(spec.get("cwd") or "/tmp")  # as the call's uid: its permissions apply
 
 

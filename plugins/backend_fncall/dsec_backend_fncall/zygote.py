@@ -35,7 +35,7 @@ import stat
 from collections import deque
 
 from dsec_backend_fncall.worker import FILES_MOUNT, worker_main
-from dsec_kernel import linux
+from dsec_kernel.linuxhost import syscalls
 
 #: run with ``python -S -I -c BOOT SOCKET_FD``: reads the configuration from the socket, puts
 #: the plugin on sys.path, remembers the standard library path for calls, starts :func:`main`.
@@ -67,11 +67,11 @@ _DEV_LINKS = {"ptmx": "pts/ptmx", "fd": "/proc/self/fd", "stdin": "/proc/self/fd
 #: where the view is put together, in the zygote's own mount namespace (its sources are held
 #: open first, so a source below it is not hidden by it)
 _STAGE = "/tmp"
-_RO = linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID | linux.MOUNT_ATTR_NODEV
+_RO = syscalls.MOUNT_ATTR_RDONLY | syscalls.MOUNT_ATTR_NOSUID | syscalls.MOUNT_ATTR_NODEV
 
 
 def _bind_fd(fd: int, target: str) -> None:
-    linux.mount(f"/proc/self/fd/{fd}", target, None, linux.MS_BIND | linux.MS_REC)
+    syscalls.mount(f"/proc/self/fd/{fd}", target, None, syscalls.MS_BIND | syscalls.MS_REC)
 
 
 def _covered(path: str, by: list[str]) -> bool:
@@ -98,8 +98,8 @@ def build_view(
     empty ``/proc``, ``/sys``, ``/tmp`` and ``/run`` to mount on. The host's root is
     detached: nothing but these is reachable.
     """
-    linux.unshare(linux.CLONE_NEWNS)
-    linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
+    syscalls.unshare(syscalls.CLONE_NEWNS)
+    syscalls.mount(None, "/", None, syscalls.MS_REC | syscalls.MS_PRIVATE)
     os.chdir("/")
     entries = [f"/etc/{name}" for name in etc]
     links = {p: os.readlink(p) for p in [*paths, *entries] if os.path.islink(p)}
@@ -107,7 +107,9 @@ def build_view(
     binds += [k for k in keep if os.path.isdir(k) and not _covered(k, binds)]
     fds = {p: os.open(p, os.O_PATH) for p in binds}
     files_fd = os.open(files_root, os.O_PATH | os.O_DIRECTORY)
-    linux.mount("tmpfs", _STAGE, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "mode=0755,size=1m")
+    syscalls.mount(
+        "tmpfs", _STAGE, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV, "mode=0755,size=1m"
+    )
     root = _STAGE
     for path, target in links.items():
         os.makedirs(root + os.path.dirname(path), mode=0o755, exist_ok=True)
@@ -120,7 +122,7 @@ def build_view(
         else:  # a file of /etc: bound onto a file
             os.close(os.open(root + path, os.O_CREAT | os.O_WRONLY, 0o644))
         _bind_fd(fd, root + path)
-        linux.mount_setattr(root + path, _RO)
+        syscalls.mount_setattr(root + path, _RO)
         os.close(fd)
     with open(root + "/etc/hostname", "w") as f:
         f.write(hostname + "\n")
@@ -129,22 +131,26 @@ def build_view(
         os.chmod(f"{root}/{d}", mode)
     os.mkdir(root + FILES_MOUNT, 0o700)
     _bind_fd(files_fd, root + FILES_MOUNT)
-    linux.mount_setattr(root + FILES_MOUNT, _RO | linux.MOUNT_ATTR_NOEXEC)
+    syscalls.mount_setattr(root + FILES_MOUNT, _RO | syscalls.MOUNT_ATTR_NOEXEC)
     os.close(files_fd)
     for h in hide:
         if os.path.isdir(root + h) and not os.path.islink(root + h):
-            linux.mount("tmpfs", root + h, "tmpfs", linux.MS_RDONLY, "size=0")
+            syscalls.mount("tmpfs", root + h, "tmpfs", syscalls.MS_RDONLY, "size=0")
     _make_dev(root + "/dev")
-    linux.mount_setattr(root, linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID, recursive=False)
+    syscalls.mount_setattr(
+        root, syscalls.MOUNT_ATTR_RDONLY | syscalls.MOUNT_ATTR_NOSUID, recursive=False
+    )
     os.chdir(root)
-    linux.pivot_root(".", ".")
-    linux.umount(".", linux.MNT_DETACH)
+    syscalls.pivot_root(".", ".")
+    syscalls.umount(".", syscalls.MNT_DETACH)
     os.chdir("/")
 
 
 def _make_dev(dev: str) -> None:
     os.makedirs(dev, exist_ok=True)
-    linux.mount("tmpfs", dev, "tmpfs", linux.MS_NOSUID | linux.MS_NOEXEC, "mode=0755,size=64k")
+    syscalls.mount(
+        "tmpfs", dev, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NOEXEC, "mode=0755,size=64k"
+    )
     for name, major, minor in DEVICES:
         os.mknod(f"{dev}/{name}", stat.S_IFCHR | 0o666, os.makedev(major, minor))
         os.chmod(f"{dev}/{name}", 0o666)  # (the umask applies to mknod)
@@ -152,7 +158,9 @@ def _make_dev(dev: str) -> None:
         os.mkdir(f"{dev}/{d}", 0o755)
     for name, target in _DEV_LINKS.items():
         os.symlink(target, f"{dev}/{name}")
-    linux.mount_setattr(dev, linux.MOUNT_ATTR_RDONLY | linux.MOUNT_ATTR_NOSUID, recursive=False)
+    syscalls.mount_setattr(
+        dev, syscalls.MOUNT_ATTR_RDONLY | syscalls.MOUNT_ATTR_NOSUID, recursive=False
+    )
 
 
 # -- the zygote loop -------------------------------------------------------------------------
@@ -182,10 +190,10 @@ class Zygote:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
-            linux.unshare(linux.CLONE_NEWPID)  # the next child is PID 1 of a new namespace
+            syscalls.unshare(syscalls.CLONE_NEWPID)  # the next child is PID 1 of a new namespace
             pid = os.fork()
         except OSError as exc:
-            linux.setns(self.pidns, linux.CLONE_NEWPID)
+            syscalls.setns(self.pidns, syscalls.CLONE_NEWPID)
             self.free_uids.appendleft(uid)
             for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
                 os.close(fd)
@@ -201,7 +209,7 @@ class Zygote:
                 os.close(fd)
             self.workers.clear()  # other workers' host pids are none of the call's business
             worker_main(self.cfg, uid, ctrl_child, (in_r, out_w, err_w), urgent)
-        linux.setns(self.pidns, linux.CLONE_NEWPID)  # back to making children in our own
+        syscalls.setns(self.pidns, syscalls.CLONE_NEWPID)  # back to making children in our own
         ctrl_child.close()
         for fd in (in_r, out_w, err_w):
             os.close(fd)
@@ -270,7 +278,7 @@ def main(sock: socket.socket, cfg: dict) -> None:
 
     What only the zygote needs (host paths, the supervisor's pid) is dropped from ``cfg``
     before any worker is forked: workers and calls inherit this process's memory."""
-    linux.set_pdeathsig(signal.SIGKILL)
+    syscalls.set_pdeathsig(signal.SIGKILL)
     if os.getppid() != cfg.pop("supervisor_pid"):
         os._exit(1)
     cfg["bpf"] = bytes.fromhex(cfg.pop("bpf_hex"))

@@ -3,7 +3,7 @@
 import pytest_asyncio
 from dsec_backend_fncall.backend import FncallBackend, FncallConfig
 
-from dsec_kernel.conformance import BackendConformance, started
+from dsec_kernel.contract.conformance import BackendConformance, started
 
 
 @pytest_asyncio.fixture(scope="class", loop_scope="class")

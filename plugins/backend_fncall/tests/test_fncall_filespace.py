@@ -9,8 +9,8 @@ import os
 import pytest
 from dsec_backend_fncall.filespace import BLOCK, FileSpace
 
-from dsec_kernel import errors
-from dsec_kernel.fileio import remove_tree
+from dsec_kernel.contract import errors
+from dsec_kernel.linuxhost.fileio import remove_tree
 
 
 def test_sandboxes_are_held_to_their_limits_and_the_node_to_its_own(tmp_path):

@@ -14,12 +14,12 @@ import pytest
 import pytest_asyncio
 from dsec_backend_fncall.backend import FncallBackend, FncallConfig
 
-from dsec_kernel import errors
 from dsec_kernel.agent import AgentClient
-from dsec_kernel.agent import agent_pb2 as pb
-from dsec_kernel.backend import ExecCall, SandboxRef
-from dsec_kernel.conformance import started
-from dsec_kernel.wire import EdgeSandbox, FncallRequest, SandboxSpec
+from dsec_kernel.contract.agent import agent_pb2 as pb
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.backend import ExecCall, SandboxRef
+from dsec_kernel.contract.conformance import started
+from dsec_kernel.contract.wire import EdgeSandbox, FncallRequest, SandboxSpec
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 SECRET = "nats://dsec-service:s3cr3t-service-password@127.0.0.1:4222"

@@ -14,11 +14,11 @@ import pytest
 import pytest_asyncio
 from dsec_backend_fncall.backend import FncallBackend, FncallConfig
 
-from dsec_kernel import errors, hookimpl
-from dsec_kernel.backend import BackendContext, ExecCall, SandboxRef
-from dsec_kernel.conformance import started
-from dsec_kernel.plugins import Hooks
-from dsec_kernel.wire import (
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.backend import BackendContext, ExecCall, SandboxRef
+from dsec_kernel.contract.conformance import started
+from dsec_kernel.contract.hookspecs import hookimpl
+from dsec_kernel.contract.wire import (
     EdgeSandbox,
     FncallRequest,
     Limits,
@@ -26,6 +26,7 @@ from dsec_kernel.wire import (
     SandboxSpec,
     WriteFileRequest,
 )
+from dsec_kernel.loader import load_hooks
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 UID_BASE = 200_000
@@ -183,7 +184,7 @@ async def test_guard_plugins_add_refused_syscalls(tmp_path):
             return ["uname"] if backend == "fncall" else None
 
     b = FncallBackend(FncallConfig(pool_size=1))
-    await b.start(BackendContext("n", tmp_path, Hooks.load(plugins=[NoUname()])))
+    await b.start(BackendContext("n", tmp_path, load_hooks(plugins=[NoUname()])))
     try:
         r = await py(
             b, "import os\ntry:\n    os.uname()\nexcept PermissionError:\n    print('refused')"

@@ -6,9 +6,9 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec_kernel import errors
-from dsec_kernel.backend import Backend, Capabilities, SandboxRef, SandboxStatus
-from dsec_kernel.wire import EdgeSandbox
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.backend import Backend, Capabilities, SandboxRef, SandboxStatus
+from dsec_kernel.contract.wire import EdgeSandbox
 
 __all__ = ["NoopBackend", "NoopConfig"]
 

@@ -4,10 +4,10 @@ import pytest
 import pytest_asyncio
 from dsec_backend_noop import NoopBackend, NoopConfig
 
-from dsec_kernel import errors
-from dsec_kernel.backend import SandboxRef
-from dsec_kernel.conformance import BackendConformance, started
-from dsec_kernel.wire import EdgeSandbox, SandboxSpec
+from dsec_kernel.contract import errors
+from dsec_kernel.contract.backend import SandboxRef
+from dsec_kernel.contract.conformance import BackendConformance, started
+from dsec_kernel.contract.wire import EdgeSandbox, SandboxSpec
 
 
 @pytest_asyncio.fixture(scope="class", loop_scope="class")

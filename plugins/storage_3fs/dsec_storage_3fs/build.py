@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsec_kernel.errors import InvalidArgument, NotFound, QuotaExceeded
+from dsec_kernel.contract.errors import InvalidArgument, NotFound, QuotaExceeded
 from dsec_storage_3fs import erofs
 
 __all__ = [

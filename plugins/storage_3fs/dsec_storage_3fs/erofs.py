@@ -28,7 +28,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from dsec_kernel.errors import DeadlineExceeded, Internal, InvalidArgument, Unavailable
+from dsec_kernel.contract.errors import DeadlineExceeded, Internal, InvalidArgument, Unavailable
 
 __all__ = ["MAGIC", "check_magic", "inode_count", "mkfs"]
 

@@ -34,8 +34,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from dsec_kernel.errors import Internal, InvalidArgument, Unavailable
-from dsec_kernel.storage import Layer, LayerRecipe, LayerStore, Progress, ensure_layer
+from dsec_kernel.contract.errors import Internal, InvalidArgument, Unavailable
+from dsec_kernel.contract.store import Layer, LayerRecipe, LayerStore, Progress, ensure_layer
 from dsec_storage_3fs.mounts import unmount_under
 
 __all__ = [
@@ -339,7 +339,7 @@ class Busybox(LayerRecipe):
 class DebianPython(LayerRecipe):
     """``debian-python:12`` (``dsec layer build debian-python``): :func:`debian_tree` with
     :data:`SWE_PACKAGES`, and with ``--packages`` more of them, as ``debian-python:12-<hash
-    of those>`` (:meth:`~dsec_kernel.storage.LayerRecipe.version_for`). Each package set is
+    of those>`` (:meth:`~dsec_kernel.contract.store.LayerRecipe.version_for`). Each package set is
     debootstrapped once per machine into ``cache`` (default
     ``~/.cache/dsec/debian-python-<version>.v3``, or under ``$DSEC_IMAGE_CACHE``) and
     hard-linked from there (an import only reads the tree)."""

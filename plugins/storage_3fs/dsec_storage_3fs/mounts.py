@@ -25,8 +25,8 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from dsec_kernel import linux
-from dsec_kernel.errors import Unavailable
+from dsec_kernel.contract.errors import Unavailable
+from dsec_kernel.linuxhost import syscalls
 
 __all__ = ["MS_RDONLY", "NodeMounts", "mount_table", "unmount_under"]
 
@@ -96,7 +96,7 @@ class NodeMounts:
     def _unmount(self, digest: str) -> None:
         mountpoint = self.path(digest)
         try:
-            linux.umount(str(mountpoint), linux.MNT_DETACH)
+            syscalls.umount(str(mountpoint), syscalls.MNT_DETACH)
         except OSError as e:
             if e.errno not in (errno.EINVAL, errno.ENOENT):  # not mounted / gone: done already
                 raise
@@ -112,15 +112,17 @@ def _mount(image: Path, mountpoint: Path, direct: bool) -> None:
     mountpoint.mkdir(exist_ok=True)
     # nosuid, nodev: a setuid file or device node in an image (a published sandbox's, say)
     # gives nothing to a host user who finds the mount
-    flags = MS_RDONLY | linux.MS_NOSUID | linux.MS_NODEV
+    flags = MS_RDONLY | syscalls.MS_NOSUID | syscalls.MS_NODEV
     try:
         try:
-            linux.mount(str(image), str(mountpoint), "erofs", flags, "directio" if direct else None)
+            syscalls.mount(
+                str(image), str(mountpoint), "erofs", flags, "directio" if direct else None
+            )
         except OSError as e:
             if not direct or e.errno != errno.EINVAL:
                 raise
             # a kernel without EROFS directio, or a store without O_DIRECT: buffered reads
-            linux.mount(str(image), str(mountpoint), "erofs", flags)
+            syscalls.mount(str(image), str(mountpoint), "erofs", flags)
     except OSError as e:
         mountpoint.rmdir()
         raise Unavailable(
@@ -148,6 +150,6 @@ def unmount_under(root: Path) -> None:
     for target, _fstype in sorted(mount_table(), key=lambda m: -len(m[0])):
         if target.startswith(top):
             try:
-                linux.umount(target, linux.MNT_DETACH)
+                syscalls.umount(target, syscalls.MNT_DETACH)
             except OSError:
                 pass

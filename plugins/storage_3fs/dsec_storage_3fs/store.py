@@ -64,7 +64,7 @@ from urllib.parse import quote, unquote
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsec_kernel.config import default_state_dir
-from dsec_kernel.errors import (
+from dsec_kernel.contract.errors import (
     Conflict,
     DsecError,
     Internal,
@@ -72,9 +72,17 @@ from dsec_kernel.errors import (
     NotFound,
     QuotaExceeded,
 )
-from dsec_kernel.fileio import remove_tree
-from dsec_kernel.storage import KINDS, GcReport, Kind, Layer, LayerStore, LayerUsage, Progress
-from dsec_kernel.wire.base import NAME_PATTERN
+from dsec_kernel.contract.store import (
+    KINDS,
+    GcReport,
+    Kind,
+    Layer,
+    LayerStore,
+    LayerUsage,
+    Progress,
+)
+from dsec_kernel.contract.wire.base import NAME_PATTERN
+from dsec_kernel.linuxhost.fileio import remove_tree
 from dsec_storage_3fs import erofs
 from dsec_storage_3fs.build import Built, build_image, size_text
 from dsec_storage_3fs.mounts import NodeMounts

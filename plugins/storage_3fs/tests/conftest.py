@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from dsec_storage_3fs import ThreeFsConfig, ThreeFsStore
 
-from dsec_kernel import linux
+from dsec_kernel.linuxhost import syscalls
 
 _HERE = str(Path(__file__).parent)
 _NEEDS = [
@@ -61,7 +61,7 @@ def store_with(tmp_path):
     yield make
     left = _mounts_under(tmp_path)
     for line in left:
-        linux.umount(line.split()[1], linux.MNT_DETACH)
+        syscalls.umount(line.split()[1], syscalls.MNT_DETACH)
     tmp_files = list((tmp_path / "store" / "tmp").glob("*"))
     shutil.rmtree(tmp_path)
     assert not left, f"mounts left behind: {left}"

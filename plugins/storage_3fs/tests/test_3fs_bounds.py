@@ -17,7 +17,7 @@ import pytest
 from dsec_storage_3fs import erofs
 from dsec_storage_3fs.build import HOLES
 
-from dsec_kernel.errors import Conflict, DeadlineExceeded, QuotaExceeded
+from dsec_kernel.contract.errors import Conflict, DeadlineExceeded, QuotaExceeded
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -25,7 +25,7 @@ from dsec_storage_3fs.images import (
     normalize_debian_tree,
 )
 
-from dsec_kernel.errors import InvalidArgument
+from dsec_kernel.contract.errors import InvalidArgument
 
 RELEASED = 1_762_593_754  # Sat, 08 Nov 2025 09:22:34 UTC
 PACKAGED = 1_735_689_600  # a file's own mtime in its package: older than the release

@@ -14,7 +14,7 @@ import tarfile
 
 import pytest
 
-from dsec_kernel.errors import Conflict, InvalidArgument, NotFound
+from dsec_kernel.contract.errors import Conflict, InvalidArgument, NotFound
 
 MTIME = 1_600_000_000
 

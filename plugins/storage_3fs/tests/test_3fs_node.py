@@ -9,8 +9,8 @@ import pytest
 from dsec_storage_3fs import ThreeFsStore
 from dsec_storage_3fs.pagecache import resident_bytes
 
-from dsec_kernel import linux
-from dsec_kernel.errors import Conflict, InvalidArgument, NotFound
+from dsec_kernel.contract.errors import Conflict, InvalidArgument, NotFound
+from dsec_kernel.linuxhost import syscalls
 
 
 def test_mount_is_shared_by_holders_and_goes_with_the_last(store, sample_tree):
@@ -133,7 +133,7 @@ def test_adopt_takes_over_mounts_after_a_restart(store, sample_tree, tmp_path):
     store.mount(mine.digest, "node-b/sb-9")  # another node's hold on the same image
     store.mount(unused.digest, "node-b/sb-8")  # mounted here, but no holder of node-a
     store.mount(stale.digest, "node-a/sb-old")
-    linux.umount(str(store.mounted()[stale.digest]), linux.MNT_DETACH)  # as after a reboot
+    syscalls.umount(str(store.mounted()[stale.digest]), syscalls.MNT_DETACH)  # as after a reboot
 
     restarted = ThreeFsStore(store.config)  # a new process of node-a
     assert restarted.adopt("node-a") == {mine.digest: ["node-a/sb-1"]}

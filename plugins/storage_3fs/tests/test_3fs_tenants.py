@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dsec_kernel.errors import Conflict, Internal, InvalidArgument, NotFound
+from dsec_kernel.contract.errors import Conflict, Internal, InvalidArgument, NotFound
 
 
 @pytest.fixture
