@@ -39,6 +39,7 @@ from dsec_kernel.contract.wire import (
     EdgeCreateRequest,
     EdgeCreateResponse,
     EdgeSandbox,
+    Error,
     ExecRequest,
     ExecResponse,
     ExecResult,
@@ -458,7 +459,7 @@ class ApiServer:
                 f"{short} of the {r.count} sandboxes were not made when this request was first "
                 "sent; create them again"
             )
-            failed = [CreateFailure(count=short, error=why.to_wire())] if short > 0 else []
+            failed = [CreateFailure(count=short, error=Error.of(why))] if short > 0 else []
             return CreateResponse(sandboxes=done, failed=failed)
         return await self.admit_and_create(tenant, r)
 
@@ -492,7 +493,7 @@ class ApiServer:
                         raise
             await asyncio.sleep(0.05)
         if over is not None:
-            failed.append(CreateFailure(count=asked - fit, error=over.to_wire()))
+            failed.append(CreateFailure(count=asked - fit, error=Error.of(over)))
         return CreateResponse(
             sandboxes=made, failed=failed, queued_s=held.waited, queue_position=held.position
         )
@@ -536,7 +537,7 @@ class ApiServer:
         if todo and not (r.partial and created):
             await self._rollback(created)
             raise error
-        failed = [CreateFailure(count=len(todo), error=error.to_wire())] if todo else []
+        failed = [CreateFailure(count=len(todo), error=Error.of(error))] if todo else []
         extra = {"request_id": r.request_id} if r.request_id else {}
         if pool is not None:
             extra |= {"pool": pool, "in_pool": in_pool}
@@ -700,7 +701,7 @@ class ApiServer:
         or the first failure's error raised (after the others were destroyed)."""
         out = await self.destroy_sandboxes(infos)
         if out.failed:
-            raise errors.from_wire(out.failed[0].error)
+            raise out.failed[0].error.exception()
         return out.destroyed
 
     async def destroy_sandboxes(self, infos: list[SandboxInfo]) -> DestroyResponse:
@@ -725,7 +726,7 @@ class ApiServer:
                 if self.views[node].info.state == "down":
                     done.extend(ids)  # the node is gone; so are its sandboxes
                 else:
-                    failed.extend(Failure(id=i, error=exc.to_wire()) for i in ids)
+                    failed.extend(Failure(id=i, error=Error.of(exc)) for i in ids)
                 return
             done.extend(ids)
 
@@ -822,7 +823,7 @@ class ApiServer:
             try:
                 groups[(await self._lookup(tenant, sid)).node].append(sid)
             except errors.DsecError as exc:
-                results[sid] = ExecResult(sandbox_id=sid, exit_code=-1, error=exc.to_wire())
+                results[sid] = ExecResult(sandbox_id=sid, exit_code=-1, error=Error.of(exc))
 
         async def one(node: str, ids: list[str]) -> None:
             data = r.model_copy(update={"sandbox_ids": ids}).model_dump_json().encode()
@@ -833,7 +834,7 @@ class ApiServer:
                 results.update((x.sandbox_id, x) for x in resp.results)
             except errors.DsecError as exc:
                 for sid in ids:
-                    results[sid] = ExecResult(sandbox_id=sid, exit_code=-1, error=exc.to_wire())
+                    results[sid] = ExecResult(sandbox_id=sid, exit_code=-1, error=Error.of(exc))
 
         await asyncio.gather(*(one(n, ids) for n, ids in groups.items()))
         return ExecResponse(results=fit_results([results[sid] for sid in r.sandbox_ids]))
@@ -876,7 +877,7 @@ class ApiServer:
                 try:
                     found.append(await self._lookup(tenant, sid))
                 except errors.DsecError as exc:
-                    out.failed.append(Failure(id=sid, error=exc.to_wire()))
+                    out.failed.append(Failure(id=sid, error=Error.of(exc)))
             replies = await self.power(op, found, r.reason)
             for part in replies:
                 out.done += part.done
@@ -903,7 +904,7 @@ class ApiServer:
                 raw = await self._edge(node, op, data, self.settings.edge_timeout_s)
                 return PauseResponse.model_validate_json(raw)
             except errors.DsecError as exc:
-                return PauseResponse(failed=[Failure(id=i, error=exc.to_wire()) for i in ids])
+                return PauseResponse(failed=[Failure(id=i, error=Error.of(exc)) for i in ids])
 
         return await asyncio.gather(*(one(n, ids) for n, ids in batches))
 
@@ -947,7 +948,7 @@ class ApiServer:
                 raw = await self._edge(node, "prestage", data, self.settings.edge_timeout_s * 4)
                 return PrestageResponse.model_validate_json(raw)
             except errors.DsecError as exc:
-                return PrestageResponse(failed=[Failure(id=node, error=exc.to_wire())])
+                return PrestageResponse(failed=[Failure(id=node, error=Error.of(exc))])
 
         out = PrestageResponse()
         for part in await asyncio.gather(*(one(n) for n in nodes)):

@@ -415,7 +415,7 @@ async def request_raw(
 
 
 async def _respond_error(req: Request, err: errors.DsecError) -> None:
-    body = err.to_wire().model_dump_json().encode()
+    body = Error.of(err).model_dump_json().encode()
     await req.respond_error(err.code, err.message[:200].replace("\n", " "), data=body)
 
 

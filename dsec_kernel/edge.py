@@ -34,6 +34,7 @@ from dsec_kernel.contract.wire import (
     EdgeCreateRequest,
     EdgeCreateResponse,
     EdgeSandbox,
+    Error,
     ExecRequest,
     ExecResponse,
     ExecResult,
@@ -389,7 +390,7 @@ class Edge:
             if isinstance(res, SandboxInfo):
                 out.created.append(res)
             else:
-                out.failed.append(Failure(id=sb.id, error=res.to_wire()))
+                out.failed.append(Failure(id=sb.id, error=Error.of(res)))
         return out
 
     async def _create_one(self, sb: EdgeSandbox) -> SandboxInfo | errors.DsecError:
@@ -533,7 +534,7 @@ class Edge:
             ran = True
             await self._log(info, r, call, started, result)
         except errors.DsecError as exc:
-            result = ExecResult(sandbox_id=sandbox_id, exit_code=-1, error=exc.to_wire())
+            result = ExecResult(sandbox_id=sandbox_id, exit_code=-1, error=Error.of(exc))
         finally:
             self._busy[sandbox_id] -= 1
             if self._busy[sandbox_id] <= 0:
@@ -543,7 +544,7 @@ class Edge:
             if mine:
                 assert rid is not None
                 gone = errors.Unavailable("the command was cut short; send it again")
-                fallback = ExecResult(sandbox_id=sandbox_id, exit_code=-1, error=gone.to_wire())
+                fallback = ExecResult(sandbox_id=sandbox_id, exit_code=-1, error=Error.of(gone))
                 self.replays.end(sandbox_id, rid, result or fallback, ran)
         if ran:
             await self._report(sandbox_id, result)
@@ -744,11 +745,11 @@ def _power_response(ids: list[str], results: list[Any]) -> PauseResponse:
         if isinstance(res, PauseReport):
             out.done.append(res)
         elif isinstance(res, errors.DsecError):
-            out.failed.append(Failure(id=sid, error=res.to_wire()))
+            out.failed.append(Failure(id=sid, error=Error.of(res)))
         else:
             log.error("pause/resume of %s failed", sid, exc_info=res)
             err = errors.Internal(f"pause/resume of {sid} failed; the edge's log says why")
-            out.failed.append(Failure(id=sid, error=err.to_wire()))
+            out.failed.append(Failure(id=sid, error=Error.of(err)))
     return out
 
 

@@ -26,7 +26,7 @@ def test_parse_picks_the_model_by_type():
     req = wire.ExecRequest(sandbox_ids=["sb-0123456789abcdef"], command=["true"], stdin=b"\0\1")
     back = wire.parse(req.model_dump_json())
     assert isinstance(back, wire.ExecRequest) and back.stdin == b"\0\1"
-    err = wire.parse(errors.NotFound("gone").to_wire().model_dump_json())
+    err = wire.parse(wire.Error.of(errors.NotFound("gone")).model_dump_json())
     assert isinstance(err, wire.Error) and err.code == "not_found"
 
 
@@ -80,7 +80,7 @@ def test_error_codes_map_to_classes():
         errors.SandboxLost,
     ):
         e = cls("x")
-        w = e.to_wire()
+        w = wire.Error.of(e)
         assert errors.error_class(w.code) is cls and w.retryable == e.retryable
     assert errors.CapacityExceeded("x").retryable and not errors.NotFound("x").retryable
     assert errors.error_class("code-from-the-future") is errors.Internal

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from dsec_kernel.contract.agent import agent_pb2 as pb
 from dsec_kernel.contract import errors
+from dsec_kernel.contract.agent import agent_pb2 as pb
 from dsec_kernel.contract.agent.agent_pb2_grpc import AgentStub
 from dsec_kernel.contract.wire import ExecResult
 

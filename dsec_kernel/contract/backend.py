@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_kernel.contract import errors
+from dsec_kernel.contract.config import NoConfig
 from dsec_kernel.contract.wire import (
     Capabilities,
     EdgeSandbox,
@@ -57,16 +58,9 @@ __all__ = [
     "BackendContext",
     "Capabilities",
     "ExecCall",
-    "NoConfig",
     "SandboxRef",
     "SandboxStatus",
 ]
-
-
-class NoConfig(BaseModel):
-    """Configuration of a backend that takes none."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 def _ignore_lost(sandbox_id: str, reason: str) -> None:

@@ -1,21 +1,18 @@
 """Typed errors: one class per wire error code.
 
 Every failure that crosses a process boundary travels as the one wire error shape
-(:class:`dsec_kernel.contract.wire.Error`: ``code``, ``message``, ``retryable``) and is raised on
-the other side as the matching subclass of :class:`DsecError`. Adding a code is one edit:
-a subclass that sets ``code`` (its own), says what it means in its docstring and, if it
-differs from its base's, the ``dsec`` command's ``exit_status``; it is registered for
-:func:`error_class` and exported by defining it. ``retryable`` says whether the same
-request may succeed if sent again unchanged.
+(:class:`dsec_kernel.contract.wire.Error`: ``code``, ``message``, ``retryable``; made with
+``Error.of(exc)``) and is raised on the other side as the matching subclass of
+:class:`DsecError` (``error.exception()``). This module imports nothing of DSec's.
+Adding a code is one edit: a subclass that sets ``code`` (its own), says what it means in
+its docstring and, if it differs from its base's, the ``dsec`` command's ``exit_status``;
+it is registered for :func:`error_class` and exported by defining it. ``retryable`` says
+whether the same request may succeed if sent again unchanged.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
-
-if TYPE_CHECKING:
-    from dsec_kernel.contract.wire import Error
-
+from typing import ClassVar
 
 _BY_CODE: dict[str, type[DsecError]] = {}
 
@@ -42,11 +39,6 @@ class DsecError(Exception):
 
     def __str__(self) -> str:
         return f"[{self.code}] {self.message}"
-
-    def to_wire(self):  # -> wire.Error; imported lazily to keep this module dependency-free
-        from dsec_kernel.contract.wire import Error
-
-        return Error(code=self.code, message=self.message, retryable=self.retryable)
 
 
 class InvalidArgument(DsecError):
@@ -168,11 +160,6 @@ def error_class(code: str) -> type[DsecError]:
     return _BY_CODE.get(code, Internal)
 
 
-def from_wire(error: Error) -> DsecError:
-    """The exception a wire :class:`~dsec_kernel.contract.wire.Error` stands for."""
-    return error_class(error.code)(error.message, retryable=error.retryable)
-
-
-__all__ = ["DsecError", "StateUnavailable", "error_class", "from_wire", *(
+__all__ = ["DsecError", "StateUnavailable", "error_class", *(
     c.__name__ for c in _BY_CODE.values()
 )]  # fmt: skip

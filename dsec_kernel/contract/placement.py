@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from pydantic import BaseModel
 
-from dsec_kernel.contract.backend import NoConfig
+from dsec_kernel.contract.config import NoConfig
 
 if TYPE_CHECKING:
-    from dsec_kernel.contract.hooks import Hooks
     from dsec_kernel.contract.wire import NodeInfo, SandboxSpec
 
-__all__ = ["NodeView", "PlacementPolicy", "PlacementRequest"]
+__all__ = ["NodeView", "PlacementHooks", "PlacementPolicy", "PlacementRequest"]
 
 
 @dataclass(frozen=True)
@@ -62,13 +61,22 @@ class NodeView:
         return max(0, self.capacity(backend) - self.used(backend))
 
 
+class PlacementHooks(Protocol):
+    """What a policy may ask of the plugins (the kernel's hooks facade is one): every
+    plugin's ``dsec_placement_filter`` and ``dsec_placement_score`` for a node."""
+
+    def placement_filter(self, node: NodeView, request: PlacementRequest) -> bool: ...
+
+    def placement_score(self, node: NodeView, request: PlacementRequest) -> float: ...
+
+
 class PlacementPolicy(abc.ABC):
     """Chooses nodes. ``place`` must be fast: it runs inside every create request."""
 
     Config: ClassVar[type[BaseModel]] = NoConfig
     preference: ClassVar[int] = 100  # the lowest installed runs when none is named
 
-    def __init__(self, config: BaseModel, hooks: Hooks) -> None:
+    def __init__(self, config: BaseModel, hooks: PlacementHooks) -> None:
         self.config = config
         self.hooks = hooks
 

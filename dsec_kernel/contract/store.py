@@ -39,7 +39,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec_kernel.contract.backend import NoConfig
+from dsec_kernel.contract.config import NoConfig
 from dsec_kernel.contract.errors import InvalidArgument, NotFound
 from dsec_kernel.contract.wire.base import NAME_PATTERN
 

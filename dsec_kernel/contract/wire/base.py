@@ -62,11 +62,20 @@ class Error(Message):
     message: str = Field(description="what went wrong and what to do next")
     retryable: bool = False
 
+    @classmethod
+    def of(cls, exc: errors.DsecError) -> Error:
+        """The wire shape of ``exc``."""
+        return cls(code=exc.code, message=exc.message, retryable=exc.retryable)
+
+    def exception(self) -> errors.DsecError:
+        """The exception this error stands for (Internal for a code unknown here)."""
+        return errors.error_class(self.code)(self.message, retryable=self.retryable)
+
 
 def _typed(value: Any) -> errors.DsecError:
     if isinstance(value, errors.DsecError):
         return value
-    return errors.from_wire(Error.model_validate(value))
+    return Error.model_validate(value).exception()
 
 
 #: A field holding an error: the :class:`Error` shape on the wire, the matching
@@ -74,5 +83,5 @@ def _typed(value: Any) -> errors.DsecError:
 TypedError = Annotated[
     errors.DsecError,
     PlainValidator(_typed, json_schema_input_type=Error),
-    PlainSerializer(lambda e: e.to_wire(), return_type=Error),
+    PlainSerializer(Error.of, return_type=Error),
 ]

@@ -24,8 +24,8 @@ import dsec_kernel
 from dsec_backend_fncall.seccomp import compile_profile
 from dsec_backend_fncall.supervisor import DEFAULT_ENV, SupervisorConfig
 from dsec_kernel.agent import AgentClient
-from dsec_kernel.contract.agent import agent_pb2 as pb
 from dsec_kernel.contract import errors
+from dsec_kernel.contract.agent import agent_pb2 as pb
 from dsec_kernel.contract.backend import (
     Backend,
     BackendContext,

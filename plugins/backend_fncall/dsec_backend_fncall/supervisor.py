@@ -33,9 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_backend_fncall.filespace import BLOCK, MAX_DEPTH, FileSpace, cost
 from dsec_backend_fncall.pool import Pool, Worker
-from dsec_kernel.contract.agent import agent_pb2 as pb
 from dsec_kernel.agent.client import ERROR_CODE_KEY, unix_target
 from dsec_kernel.contract import errors
+from dsec_kernel.contract.agent import agent_pb2 as pb
 from dsec_kernel.contract.agent.agent_pb2_grpc import AgentServicer, add_AgentServicer_to_server
 from dsec_kernel.contract.wire import SANDBOX_ID_PATTERN
 from dsec_kernel.fairshare import TenantSlots

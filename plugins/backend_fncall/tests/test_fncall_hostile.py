@@ -15,8 +15,8 @@ import pytest_asyncio
 from dsec_backend_fncall.backend import FncallBackend, FncallConfig
 
 from dsec_kernel.agent import AgentClient
-from dsec_kernel.contract.agent import agent_pb2 as pb
 from dsec_kernel.contract import errors
+from dsec_kernel.contract.agent import agent_pb2 as pb
 from dsec_kernel.contract.backend import ExecCall, SandboxRef
 from dsec_kernel.contract.conformance import started
 from dsec_kernel.contract.wire import EdgeSandbox, FncallRequest, SandboxSpec
