@@ -51,6 +51,9 @@ class _Common(BaseSettings):
     heartbeat_s: float = Field(1.0, gt=0, le=60, description="edge heartbeat interval")
     kv_replicas: int = Field(1, ge=1, le=5, description="copies of each KV bucket")
     guards: list[str] | None = Field(None, description="guard plugins; all installed when unset")
+    guard_config: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per-guard configuration, validated by the guard"
+    )
 
 
 class ApiSettings(_Common):

@@ -11,6 +11,7 @@ naming it and the reason, at start-up. Every loaded plugin object is registered 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Iterable
@@ -148,18 +149,33 @@ def load_drivers(group: str, names: Iterable[str]) -> dict[str, PluginInfo]:
     return out
 
 
-def load_hooks(plugins: Iterable[object] = (), guards: Iterable[str] | None = None) -> Hooks:
+def load_hooks(
+    plugins: Iterable[object] = (),
+    guards: Iterable[str] | None = None,
+    guard_config: dict[str, dict[str, Any]] | None = None,
+) -> Hooks:
     """The hooks facade with ``plugins`` and the guards named in ``guards`` registered (every
-    installed guard when None; a broken one is then logged and left out)."""
+    installed guard when None; a broken one is then logged and left out). A guard that is a
+    class is made with its ``Config`` validated from ``guard_config[name]`` (PluginLoadError
+    if it does not validate, or configuration names a guard not loaded)."""
     if guards is None:
         found = discover("dsec.guards")
         for p in found:
             if p.error is not None:
                 log.warning("guard plugin %s is broken and not loaded: %s", p.name, p.error)
-        guard_objs = [p.obj for p in found if p.error is None]
+        loaded = {p.name: p.obj for p in found if p.error is None}
     else:
-        guard_objs = [p.obj for p in load_drivers("dsec.guards", guards).values()]
-    return Hooks.of([*guard_objs, *plugins])
+        loaded = {n: p.obj for n, p in load_drivers("dsec.guards", guards).items()}
+    config = guard_config or {}
+    if unknown := sorted(set(config) - set(loaded)):
+        raise PluginLoadError(f"configuration given for guard(s) not loaded: {unknown}")
+    objs = []
+    for name, obj in loaded.items():
+        if inspect.isclass(obj):
+            cfg = configured("guard", name, obj, config.get(name))
+            obj = obj() if cfg is None else obj(cfg)
+        objs.append(obj)
+    return Hooks.of([*objs, *plugins])
 
 
 def configured(kind: str, name: str, cls: Any, config: dict[str, Any] | None) -> Any:

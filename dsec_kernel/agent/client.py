@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from dsec_kernel import deadline
 from dsec_kernel.contract import errors
 from dsec_kernel.contract.agent import agent_pb2 as pb
 from dsec_kernel.contract.agent.agent_pb2_grpc import AgentStub
@@ -126,7 +127,7 @@ class AgentClient:
 
     async def exec(self, req: pb.ExecRequest) -> ExecResult:
         """Run a command and collect its output (see ``Agent.Exec`` in agent.proto)."""
-        call = self._stub.Exec(req, timeout=req.timeout_s + 30)
+        call = self._stub.Exec(req, timeout=deadline.inner(req.timeout_s + 30))
         try:
             return await collect_exec(call, req.sandbox)
         except grpc.aio.AioRpcError as exc:
@@ -138,7 +139,8 @@ class AgentClient:
     async def read_file(self, sandbox: str, path: str, max_bytes: int) -> bytes:
         try:
             resp = await self._stub.ReadFile(
-                pb.ReadFileRequest(sandbox=sandbox, path=path, max_bytes=max_bytes), timeout=60
+                pb.ReadFileRequest(sandbox=sandbox, path=path, max_bytes=max_bytes),
+                timeout=deadline.inner(60),
             )
         except grpc.aio.AioRpcError as exc:
             raise status_error(exc, f"read {path}", self.target) from None
@@ -147,7 +149,8 @@ class AgentClient:
     async def write_file(self, sandbox: str, path: str, data: bytes, mode: int) -> int:
         try:
             resp = await self._stub.WriteFile(
-                pb.WriteFileRequest(sandbox=sandbox, path=path, data=data, mode=mode), timeout=60
+                pb.WriteFileRequest(sandbox=sandbox, path=path, data=data, mode=mode),
+                timeout=deadline.inner(60),
             )
         except grpc.aio.AioRpcError as exc:
             raise status_error(exc, f"write {path}", self.target) from None

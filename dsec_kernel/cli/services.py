@@ -74,7 +74,7 @@ async def _connect(settings: ApiSettings | EdgeSettings, name: str) -> NATS:
 
 
 async def _apiserver(settings: ApiSettings, stop: asyncio.Event) -> None:
-    hooks = load_hooks(guards=settings.guards)
+    hooks = load_hooks(guards=settings.guards, guard_config=settings.guard_config)
     policy = load_driver("dsec.placement", settings.placement, settings.placement_config, hooks)
     nc = await _connect(settings, "dsec-apiserver")
     api_nc = await _connect(settings, "dsec-apiserver-api")  # tenants' requests: their own
@@ -94,7 +94,7 @@ async def _edge(settings: EdgeSettings, stop: asyncio.Event) -> None:
     backends, skipped = load_backends(settings)
     for name, reason in skipped.items():
         log.warning("backend %s skipped: %s", name, reason)
-    hooks = load_hooks(guards=settings.guards)
+    hooks = load_hooks(guards=settings.guards, guard_config=settings.guard_config)
     nc = await _connect(settings, f"dsec-edge-{settings.node}")
     edge = Edge(nc, settings, backends, hooks)
     try:
