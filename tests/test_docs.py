@@ -367,7 +367,7 @@ def test_the_example_placement_policy_places_on_the_coolest_node(tmp_path):
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    policy = module.CoolestFirst(load_hooks(guards=[]))
+    policy = module.CoolestFirst(module.CoolestFirst.Config(), load_hooks(guards=[]))
 
     def node(name: str, cpu_load: float, used: int) -> NodeView:
         backends = [BackendInfo(name="noop", capabilities=Capabilities(max_sandboxes=10))]

@@ -1,4 +1,5 @@
-"""The asynchronous SDK: :class:`AsyncClient` and :class:`Sandbox`."""
+"""The asynchronous SDK's client: :class:`AsyncClient` (the handles it gives are in
+:mod:`.sandbox`, :mod:`.job` and :mod:`.pool`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 
 from nats.aio.client import Client as NATS
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from dsec_kernel import bus
 from dsec_kernel.connection import resolve
@@ -28,8 +29,6 @@ from dsec_kernel.contract.wire import (
     ExecResponse,
     ExecResult,
     FncallRequest,
-    FsDiff,
-    FsDiffRequest,
     HistoryRequest,
     HistoryResponse,
     JobRenewRequest,
@@ -49,26 +48,20 @@ from dsec_kernel.contract.wire import (
     PrestageRequest,
     PrestageResponse,
     PublishRequest,
-    ReadFileRequest,
-    ReadFileResponse,
-    RestoreRequest,
     ResumeRequest,
     SandboxInfo,
     SandboxSpec,
-    SnapshotInfo,
-    SnapshotRequest,
     StatusRequest,
-    WriteFileRequest,
-    WriteFileResponse,
 )
+from dsec_kernel.sdk.arguments import build_request
 from dsec_kernel.sdk.job import Job
 from dsec_kernel.sdk.pool import Pool
-from dsec_kernel.sdk.results import BatchEntry, DestroyReport, NotCreated
+from dsec_kernel.sdk.results import DestroyReport, NotCreated, check_one
+from dsec_kernel.sdk.sandbox import Sandbox, Snapshot
 
-__all__ = ["AsyncClient", "Sandbox", "Snapshot"]
+__all__ = ["AsyncClient"]
 
 M = TypeVar("M", bound=BaseModel)
-E = TypeVar("E", bound=BatchEntry)
 T = TypeVar("T")
 R = TypeVar("R")
 #: how long a request is sent again while nothing serves the API (an apiserver restarting)
@@ -76,27 +69,6 @@ NO_RESPONDERS_WAIT_S = 1.0
 #: seconds the client waits beyond a command's own timeout
 _MARGIN_S = 30.0
 Progress = Callable[[int, int], object]
-
-
-#: wire fields the SDK's methods take under other names
-_ARGUMENT_NAMES = {"timeout_s": "timeout", "ttl_s": "ttl", "idle_ttl_s": "idle_ttl",
-                   "wait_s": "wait", "sandbox_ids": "sandboxes"}  # fmt: skip
-
-
-def _model(cls: type[M], **fields: object) -> M:
-    """Build a request model; bad arguments raise InvalidArgument naming the argument as the
-    caller gave it (``timeout: must be > 0``)."""
-    try:
-        return cls(**fields)
-    except ValidationError as exc:
-        raise errors.InvalidArgument(bus.validation_message(exc, _ARGUMENT_NAMES)) from None
-
-
-def _raise_for(entry: E) -> E:
-    """``entry``, or its error raised: a call on one sandbox raises what a batch reports."""
-    if entry.error is not None:
-        raise entry.error
-    return entry
 
 
 def _ids(sandboxes: Iterable[Sandbox | str]) -> list[str]:
@@ -144,164 +116,6 @@ def replay_plan(log: list[CommandRecord]) -> tuple[str | None, list[CommandRecor
         else:
             base, todo = rec.snapshot_id, []
     return base, todo
-
-
-class Snapshot:
-    """A sandbox's files at one moment (see :meth:`Sandbox.snapshot`)."""
-
-    def __init__(self, info: SnapshotInfo) -> None:
-        self.info = info
-
-    @property
-    def id(self) -> str:
-        return self.info.id
-
-    @property
-    def sandbox_id(self) -> str:
-        return self.info.sandbox_id
-
-    @property
-    def parent(self) -> str | None:
-        return self.info.parent
-
-    def __repr__(self) -> str:
-        return f"<Snapshot {self.id} of {self.sandbox_id} depth {self.info.depth}>"
-
-
-class Sandbox:
-    """A handle on one sandbox. ``async with`` destroys it on exit."""
-
-    #: always None: as an entry of ``create``'s answer, a sandbox that was made (see
-    #: :mod:`dsec_kernel.sdk.results`)
-    error: errors.DsecError | None = None
-
-    def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
-        self._client = client
-        self.info = info
-
-    @property
-    def id(self) -> str:
-        return self.info.id
-
-    @property
-    def backend(self) -> str:
-        return self.info.backend
-
-    @property
-    def node(self) -> str:
-        return self.info.node
-
-    def __repr__(self) -> str:
-        return f"<Sandbox {self.id} {self.backend}@{self.node} {self.info.state}>"
-
-    async def exec(
-        self,
-        command: str | Sequence[str],
-        *,
-        timeout: float = 60.0,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        stdin: bytes | str = b"",
-        user: str | None = None,
-        max_output_bytes: int = DEFAULT_MAX_OUTPUT,
-        request_id: str | None = None,
-    ) -> ExecResult:
-        """Run ``command`` (argv list, or a string for ``/bin/sh -c``) and wait for it.
-
-        A command still running at ``timeout`` seconds is killed with everything it started
-        and comes back with ``timed_out=True``; output past ``max_output_bytes`` per stream
-        is dropped and ``truncated=True``. Raises a DsecError if it could not run at all.
-
-        Each call carries a request id (``request_id``, or a fresh one): if no answer comes
-        in time (lost in a reconnect), the call is sent once more with the same id and gets
-        the first run's result, waiting for it if it still runs — never a second run.
-        """
-        (result,) = await self._client.exec_many(
-            [self],
-            command,
-            timeout=timeout,
-            env=env,
-            cwd=cwd,
-            stdin=stdin,
-            user=user,
-            max_output_bytes=max_output_bytes,
-            request_id=request_id,
-        )
-        return _raise_for(result)
-
-    async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> int:
-        """Create or replace the file at ``path``; returns its size."""
-        payload = data.encode() if isinstance(data, str) else data
-        req = _model(WriteFileRequest, sandbox_id=self.id, path=path, data=payload, mode=mode)
-        resp = await self._client._call("file.write", req, WriteFileResponse)
-        return resp.size
-
-    async def read_file(self, path: str) -> bytes:
-        """The content of the file at ``path`` (NotFound if there is none)."""
-        req = _model(ReadFileRequest, sandbox_id=self.id, path=path)
-        return (await self._client._call("file.read", req, ReadFileResponse)).data
-
-    async def status(self) -> SandboxInfo:
-        """The sandbox's current record (``state``: ``ready``, ``paused`` or ``lost``)."""
-        self.info = await self._client._call(
-            "status", _model(StatusRequest, id=self.id), SandboxInfo
-        )
-        return self.info
-
-    async def destroy(self) -> None:
-        """Destroy the sandbox. Idempotent."""
-        _raise_for((await self._client.destroy([self]))[0])
-
-    async def pause(self) -> PauseReport:
-        """Freeze every process and reclaim the sandbox's memory; files and processes stay.
-        Commands sent meanwhile raise SandboxPaused until :meth:`resume`. Idempotent."""
-        return _raise_for((await self._client.pause([self]))[0])
-
-    async def resume(self) -> PauseReport:
-        """Carry on from where :meth:`pause` stopped. Idempotent."""
-        return _raise_for((await self._client.resume([self]))[0])
-
-    async def snapshot(self, *, keep: bool = False) -> Snapshot:
-        """Record the sandbox's files now (incrementally; processes keep running).
-
-        A snapshot lives while anything uses it (this sandbox, sandboxes restored or forked
-        from it, later snapshots built on it), or for good with ``keep``.
-        """
-        req = _model(SnapshotRequest, sandbox_id=self.id, keep=keep)
-        return Snapshot(await self._client._call("snapshot", req, SnapshotInfo))
-
-    async def restore(self, snapshot: Snapshot | str | None) -> None:
-        """Put the sandbox back exactly as at ``snapshot``: its files, and no process started
-        after it. ``None`` restores the state it was created in (see :meth:`reset`)."""
-        sid = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
-        req = _model(RestoreRequest, sandbox_id=self.id, snapshot_id=sid)
-        self.info = await self._client._call("restore", req, SandboxInfo)
-
-    async def reset(self) -> None:
-        """Back to the clean state the sandbox was created in (for reuse from a pool)."""
-        await self.restore(None)
-
-    async def fs_diff(self, since: Snapshot | str | None = None) -> FsDiff:
-        """Paths added, modified and deleted since creation, or since ``since``."""
-        sid = since.id if isinstance(since, Snapshot) else since
-        req = _model(FsDiffRequest, sandbox_id=self.id, since=sid)
-        return await self._client._call("fs_diff", req, FsDiff)
-
-    async def trajectory(self) -> list[CommandRecord]:
-        """The sandbox's ordered log: every command with its result (output capped), and
-        every snapshot and restore. Kept outside the node, so also readable once the
-        sandbox is lost (see :meth:`AsyncClient.recover`) or destroyed (for a day)."""
-        return await self._client.trajectory(self.id)
-
-    async def commands(self) -> list[CommandRecord]:
-        """The commands of :meth:`trajectory` only."""
-        return [r for r in await self.trajectory() if r.kind == "exec"]
-
-    async def __aenter__(self) -> Sandbox:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.destroy()
 
 
 class AsyncClient:
@@ -422,12 +236,11 @@ class AsyncClient:
         """Create ``count`` sandboxes alike, in batches of ``batch_size`` (one request each).
 
         ``backend`` defaults to the snapshot's with ``from_snapshot`` (a fork: each starts with
-        the snapshot's files), else ``fncall`` (stateless: files do not survive between
-        commands). ``env`` names the layers to compose (container and VM backends);
-        ``network`` is ``none`` or ``egress``. ``ttl``: seconds until the platform destroys
-        them; ``idle_ttl``: seconds without a command until it pauses one (the next command
-        resumes it). ``progress(done, total)`` is called as batches complete. ``job``: the
-        job they belong to (see :meth:`job`).
+        the snapshot's files), else the cluster's default. ``env`` names the layers to compose
+        (container and VM backends); ``network`` is ``none`` or ``egress``. ``ttl``: seconds
+        until the platform destroys them; ``idle_ttl``: seconds without a command until it
+        pauses one (the next command resumes it). ``progress(done, total)`` is called as
+        batches complete. ``job``: the job they belong to (see :meth:`job`).
 
         Returns ``count`` entries: the sandboxes made, then a :class:`NotCreated` (with its
         ``error``) for each that could not be — past your quota (QuotaExceeded), in a batch
@@ -441,7 +254,7 @@ class AsyncClient:
             raise errors.InvalidArgument(f"count must be at least 1, not {count}")
         if backend is None and from_snapshot is not None:
             backend = from_snapshot.info.backend
-        spec = _model(
+        spec = build_request(
             SandboxSpec,
             backend=backend,
             ttl_s=ttl,
@@ -460,7 +273,7 @@ class AsyncClient:
 
         async def one(n: int) -> CreateResponse:
             nonlocal done
-            req = _model(
+            req = build_request(
                 CreateRequest, spec=spec, count=n, wait_s=wait, partial=True,
                 request_id=uuid.uuid4().hex,
             )  # fmt: skip
@@ -484,7 +297,7 @@ class AsyncClient:
 
     async def get(self, sandbox_id: str) -> Sandbox:
         """A handle on an existing sandbox of yours (NotFound otherwise)."""
-        info = await self._call("status", _model(StatusRequest, id=sandbox_id), SandboxInfo)
+        info = await self._call("status", build_request(StatusRequest, id=sandbox_id), SandboxInfo)
         return Sandbox(self, info)
 
     async def list(self, labels: dict[str, str] | None = None) -> list[Sandbox]:
@@ -492,7 +305,7 @@ class AsyncClient:
         out: list[Sandbox] = []
         after: str | None = None
         while True:
-            req = _model(ListRequest, labels=labels or {}, after=after)
+            req = build_request(ListRequest, labels=labels or {}, after=after)
             resp = await self._call("list", req, ListResponse)
             out += [Sandbox(self, info) for info in resp.sandboxes]
             if resp.next is None:
@@ -508,7 +321,7 @@ class AsyncClient:
         could not make has nothing to destroy (``found`` False, no id)."""
         items = [sandboxes] if isinstance(sandboxes, Sandbox | str) else list(sandboxes)
         made = [s for s in items if not isinstance(s, NotCreated)]
-        reqs = [_model(DestroyRequest, ids=part) for part in _parts(_ids(made))]
+        reqs = [build_request(DestroyRequest, ids=part) for part in _parts(_ids(made))]
 
         async def send(req: DestroyRequest) -> DestroyResponse:
             return await self._call("destroy", req, DestroyResponse)
@@ -542,7 +355,7 @@ class AsyncClient:
     async def _power(
         self, op: str, model: type[PauseRequest | ResumeRequest], sandboxes: Iterable[Sandbox | str]
     ) -> list[PauseReport]:
-        reqs = [_model(model, ids=part) for part in _parts(_ids(sandboxes))]
+        reqs = [build_request(model, ids=part) for part in _parts(_ids(sandboxes))]
 
         async def send(req: PauseRequest | ResumeRequest) -> PauseResponse:
             return await self._call(op, req, PauseResponse)
@@ -560,7 +373,7 @@ class AsyncClient:
     async def trajectory(self, sandbox_id: str) -> list[CommandRecord]:
         """A sandbox's trajectory by id (see :meth:`Sandbox.trajectory`); JSON lines of it:
         ``"\\n".join(r.model_dump_json() for r in records)``."""
-        req = _model(HistoryRequest, sandbox_id=sandbox_id)
+        req = build_request(HistoryRequest, sandbox_id=sandbox_id)
         return (await self._call("history", req, HistoryResponse)).commands
 
     async def recover(self, sandbox: Sandbox | str) -> Sandbox:
@@ -571,7 +384,7 @@ class AsyncClient:
         compare ``(await new.commands())`` with the old trajectory if that matters.
         """
         sid = sandbox.id if isinstance(sandbox, Sandbox) else sandbox
-        info = await self._call("status", _model(StatusRequest, id=sid), SandboxInfo)
+        info = await self._call("status", build_request(StatusRequest, id=sid), SandboxInfo)
         if info.state != "lost":
             raise errors.Conflict(f"sandbox {sid} is {info.state}, not lost: nothing to recover")
         if info.spec is None:
@@ -608,14 +421,14 @@ class AsyncClient:
         """A warm pool of ``size`` ready sandboxes of this spec, filled in the background
         and grown by demand up to ``max_size`` (default 4 x size). ``name`` defaults to one
         derived from the spec, so the same spec finds the same pool again."""
-        spec = _model(
+        spec = build_request(
             SandboxSpec, backend=backend, env=env, limits=limits or Limits(),
             labels=labels or {}, network=network, idle_ttl_s=idle_ttl,
         )  # fmt: skip
         if name is None:
             digest = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:12]
             name = f"{backend}-{digest}"
-        req = _model(PoolOpenRequest, name=name, spec=spec, size=size, max_size=max_size)
+        req = build_request(PoolOpenRequest, name=name, spec=spec, size=size, max_size=max_size)
         return Pool(self, await self._call("pool.open", req, PoolInfo))
 
     def job(self, name: str, *, priority: int = 0, lease_s: float = 30.0) -> Job:
@@ -625,13 +438,14 @@ class AsyncClient:
         for ``lease_s``) and resumed when it is renewed; they go when the job ends.
         ``priority`` (0-100): under pressure, lower-priority jobs' sandboxes are paused first.
         """
-        return Job(self, _model(JobRenewRequest, name=name, priority=priority, lease_s=lease_s))
+        req = build_request(JobRenewRequest, name=name, priority=priority, lease_s=lease_s)
+        return Job(self, req)
 
     async def prestage(self, layers: Sequence[str], *, pool: str | None = None) -> PrestageResponse:
         """Have the nodes of ``pool`` (all, if None) mount these layers (``name:version``)
         and read their metadata now — before a burst sends sandboxes there. Placement then
         prefers them for sandboxes on those layers."""
-        req = _model(PrestageRequest, layers=list(layers), pool=pool)
+        req = build_request(PrestageRequest, layers=list(layers), pool=pool)
         return await self._call("prestage", req, PrestageResponse, self.timeout * 4)
 
     async def publish(
@@ -640,7 +454,7 @@ class AsyncClient:
         """Make a snapshot a layer (``name:version`` of ``kind``) for later sandboxes' ``env``:
         a workspace or toolkit holds everything above the sandbox's base; a base, everything."""
         sid = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
-        req = _model(PublishRequest, snapshot_id=sid, kind=kind, name=name, version=version)
+        req = build_request(PublishRequest, snapshot_id=sid, kind=kind, name=name, version=version)
         return await self._call("publish", req, LayerInfo, self.timeout * 10)
 
     async def nodes(self) -> list[NodeInfo]:
@@ -679,7 +493,8 @@ class AsyncClient:
             stdin=stdin.encode() if isinstance(stdin, str) else stdin,
             max_output_bytes=max_output_bytes,
         )
-        reqs = [_model(ExecRequest, sandbox_ids=part, **base) for part in _parts(_ids(sandboxes))]
+        parts = _parts(_ids(sandboxes))
+        reqs = [build_request(ExecRequest, sandbox_ids=part, **base) for part in parts]
 
         async def send(req: ExecRequest) -> ExecResponse:
             try:
@@ -712,7 +527,7 @@ class AsyncClient:
 
         With ``sandbox`` (an fncall sandbox) the call also sees that sandbox's files.
         """
-        req = _model(
+        req = build_request(
             FncallRequest,
             code=code,
             language=language,
@@ -723,4 +538,4 @@ class AsyncClient:
             max_output_bytes=max_output_bytes,
             sandbox_id=sandbox.id if sandbox else None,
         )
-        return _raise_for(await self._call("fncall", req, ExecResult, timeout + _MARGIN_S))
+        return check_one(await self._call("fncall", req, ExecResult, timeout + _MARGIN_S))

@@ -4,18 +4,39 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
+
+from pydantic import BaseModel
 
 from dsec_kernel.contract import errors
-from dsec_kernel.contract.wire import DestroyResponse, JobCloseRequest, JobInfo, JobRenewRequest
+from dsec_kernel.contract.wire import (
+    DestroyResponse,
+    JobCloseRequest,
+    JobInfo,
+    JobRenewRequest,
+    Message,
+)
+from dsec_kernel.sdk.results import NotCreated
+from dsec_kernel.sdk.sandbox import Sandbox
 
-if TYPE_CHECKING:
-    from dsec_kernel.sdk.client import AsyncClient, Sandbox
-    from dsec_kernel.sdk.results import NotCreated
-
-__all__ = ["Job"]
+__all__ = ["Job", "JobClient"]
 
 log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class JobClient(Protocol):
+    """What a job asks of the client it came from: requests, and making and listing the
+    tenant's sandboxes."""
+
+    async def _call(
+        self, op: str, msg: Message, reply: type[M], timeout: float | None = None
+    ) -> M: ...
+
+    async def create(self, *args: Any, **kwargs: Any) -> list[Sandbox | NotCreated]: ...
+
+    async def list(self, labels: dict[str, str] | None = None) -> list[Sandbox]: ...
 
 
 class Job:
@@ -28,7 +49,7 @@ class Job:
     — and :meth:`renew` resumes them.
     """
 
-    def __init__(self, client: AsyncClient, request: JobRenewRequest) -> None:
+    def __init__(self, client: JobClient, request: JobRenewRequest) -> None:
         self._client = client
         self._request = request
         self.name = request.name

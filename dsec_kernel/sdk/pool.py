@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dsec_kernel.contract.wire import (
     AcquireRequest,
     AcquireResponse,
@@ -12,9 +10,7 @@ from dsec_kernel.contract.wire import (
     PoolInfo,
     ReleaseRequest,
 )
-
-if TYPE_CHECKING:
-    from dsec_kernel.sdk.client import AsyncClient, Sandbox
+from dsec_kernel.sdk.sandbox import Sandbox, SandboxClient
 
 __all__ = ["Pool"]
 
@@ -28,7 +24,7 @@ class Pool:
     the sandboxes waiting in it.
     """
 
-    def __init__(self, client: AsyncClient, info: PoolInfo) -> None:
+    def __init__(self, client: SandboxClient, info: PoolInfo) -> None:
         self._client = client
         self.info = info
         self.name = info.name
@@ -45,8 +41,7 @@ class Pool:
         return sb
 
     async def acquire_many(self, count: int) -> list[Sandbox]:
-        from dsec_kernel.sdk.client import Sandbox
-
+        """``count`` ready sandboxes at once (see :meth:`acquire`)."""
         req = AcquireRequest(name=self.name, count=count)
         resp = await self._client._call("pool.acquire", req, AcquireResponse)
         return [Sandbox(self._client, info) for info in resp.sandboxes]

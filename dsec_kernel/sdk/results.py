@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dsec_kernel.contract import errors
 from dsec_kernel.contract.wire import TypedError
 
-__all__ = ["BatchEntry", "DestroyReport", "NotCreated", "check"]
+__all__ = ["BatchEntry", "DestroyReport", "NotCreated", "check", "check_one"]
 
 
 class BatchEntry(Protocol):
@@ -75,3 +75,10 @@ def check(entries: list[E]) -> list[E]:
     first = failed[0]
     more = f" (and {len(failed) - 1} more of {len(entries)})" if len(failed) > 1 else ""
     raise type(first)(first.message + more, retryable=first.retryable) from first
+
+
+def check_one(entry: E) -> E:
+    """``entry``, or its error raised: a call on one sandbox raises what a batch reports."""
+    if entry.error is not None:
+        raise entry.error
+    return entry

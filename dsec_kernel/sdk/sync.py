@@ -13,9 +13,10 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from dsec_kernel.sdk.client import AsyncClient, Sandbox
+from dsec_kernel.sdk.client import AsyncClient
 from dsec_kernel.sdk.job import Job
 from dsec_kernel.sdk.pool import Pool
+from dsec_kernel.sdk.sandbox import Sandbox
 
 __all__ = ["Client", "SyncJob", "SyncPool", "SyncSandbox"]
 
