@@ -57,7 +57,7 @@ def test_every_command_and_flag_has_help():
 
     assert walk(parser(), "dsec") == []
     shown = dsec_cli(None, "create", "--help").stdout
-    assert "the backend to run them on (default: fncall)" in shown
+    assert "the backend to run them on (default: the cluster's)" in shown
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import logging
 import os
@@ -20,29 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from dsec_kernel.cli import exitcodes
+from dsec_kernel.cli.output import json_line, plain
 from dsec_kernel.cli.parser import UsageError, parse, parser
 from dsec_kernel.contract import errors
 
 __all__ = ["main"]
-
-
-def _plain(value: Any) -> Any:
-    """``value`` (a model's python dump) with bytes as text, or marked base64 if not UTF-8."""
-    if isinstance(value, bytes):
-        try:
-            return value.decode()
-        except UnicodeDecodeError:
-            return {"base64": base64.b64encode(value).decode()}
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _json_line(obj: Any) -> None:
-    data = obj.model_dump(mode="python") if hasattr(obj, "model_dump") else obj
-    print(json.dumps(_plain(data), default=str))
 
 
 async def _stateless_note(c: Any, backend: str) -> str | None:
@@ -70,7 +51,7 @@ def _report(
     status = 0
     for entry in entries:
         if as_json:
-            _json_line(entry)
+            json_line(entry)
         elif entry.error is None:
             if ok_line is not None:
                 print(ok_line(entry))
@@ -107,7 +88,7 @@ def _cmd_plugins(as_json: bool) -> int:
             else:
                 row["status"], text = "ok", "ok"
             if as_json:
-                _json_line(row)
+                json_line(row)
             table.add_row(group.removeprefix("dsec."), info.name, info.version, text)
     if not as_json:
         Console().print(table)
@@ -186,7 +167,7 @@ async def _cmd_tenant(args: argparse.Namespace) -> int:
                 ) from None
     finally:
         await nc.drain()
-    _json_line({"tenant": name, "token": token}) if args.json else print(token)
+    json_line({"tenant": name, "token": token}) if args.json else print(token)
     return 0
 
 
@@ -219,7 +200,7 @@ async def _client_cmd(args: argparse.Namespace) -> int:
                 print(note, file=sys.stderr)
             for sb in sbs:  # the made ones come first
                 if sb.error is None:
-                    _json_line(sb.info) if args.json else print(sb.id)
+                    json_line(sb.info) if args.json else print(sb.id)
             unmade = [sb for sb in sbs if sb.error is not None]
             return _report(unmade, args.json, None, lambda _: "not created")
         elif args.cmd in ("pause", "resume"):
@@ -236,7 +217,7 @@ async def _client_cmd(args: argparse.Namespace) -> int:
             for sb in await c.list():
                 i = sb.info
                 if args.json:
-                    _json_line(i)
+                    json_line(i)
                     continue
                 state = f"{i.state} ({i.paused_reason})" if i.paused_reason else i.state
                 pool = f"{i.pool}{' (idle)' if i.in_pool else ''}" if i.pool else ""
@@ -249,7 +230,7 @@ async def _client_cmd(args: argparse.Namespace) -> int:
             table = Table("node", "state", "pool", "backends", "sandboxes", "paused", "cpu load")
             for n in await c.nodes():
                 if args.json:
-                    _json_line(n)
+                    json_line(n)
                     continue
                 table.add_row(
                     n.node,
@@ -265,7 +246,7 @@ async def _client_cmd(args: argparse.Namespace) -> int:
         elif args.cmd == "trajectory":
             for rec in await c.trajectory(args.sandbox):
                 if args.json:
-                    _json_line(rec)
+                    json_line(rec)
                 else:
                     print(_record_line(rec))
         elif args.cmd == "prestage":
@@ -302,7 +283,7 @@ def _when(t: float | None) -> str:
 
 def _print_result(r: Any, as_json: bool) -> int:
     if as_json:
-        _json_line(r)
+        json_line(r)
     else:
         sys.stdout.buffer.write(r.stdout)
         sys.stderr.buffer.write(r.stderr)
@@ -322,7 +303,7 @@ def _record_line(rec: Any) -> str:
     """One trajectory record for people: when, what, and its output as text. A sandbox wrote
     that output: JSON escapes its C0 controls, and the C1 ones and bidi overrides are escaped
     too, so nothing in it acts on the reader's terminal."""
-    data = _plain(rec.model_dump(mode="python", exclude_defaults=True))
+    data = plain(rec.model_dump(mode="python", exclude_defaults=True))
     text = json.dumps(data, default=str, ensure_ascii=False)
     return _TERMINAL_ACTIVE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 

@@ -15,6 +15,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from dsec_kernel.cli.output import json_line
 from dsec_kernel.contract import errors
 
 if TYPE_CHECKING:
@@ -120,9 +121,7 @@ def _toolkit(args: argparse.Namespace, console: Console) -> int:
 
     layer = asyncio.run(build())
     if args.json:
-        from dsec_kernel.cli import _json_line
-
-        _json_line(layer)
+        json_line(layer)
     else:
         print(f"{layer.name}:{layer.version} {layer.kind} {layer.digest} {layer.size} bytes")
     return 0
@@ -192,7 +191,6 @@ def _recipes(as_json: bool) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from dsec_kernel.cli import _json_line
     from dsec_kernel.loader import discover
 
     table = Table("recipe", "layer", "kind", "status", "what")
@@ -209,7 +207,7 @@ def _recipes(as_json: bool) -> int:
             status = f"[yellow]cannot build here: {reason}[/yellow]" if reason else "ok"
             table.add_row(info.name, row["layer"], r.kind, status, r.summary)
         if as_json:
-            _json_line(row)
+            json_line(row)
     if not as_json:
         Console().print(table)
         print(
@@ -224,12 +222,10 @@ def _ls(layers: list[Layer], as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from dsec_kernel.cli import _json_line
-
     layers = sorted(layers, key=lambda x: (x.tenant or "", x.kind, x.ref))
     if as_json:
         for layer in layers:
-            _json_line(layer)
+            json_line(layer)
         return
     if not layers:
         print(
@@ -249,9 +245,7 @@ def _ls(layers: list[Layer], as_json: bool) -> None:
 
 def _print(layer: Layer, as_json: bool) -> None:
     if as_json:
-        from dsec_kernel.cli import _json_line
-
-        _json_line(layer)
+        json_line(layer)
     else:
         print(f"{layer.ref} {layer.kind} {layer.digest} {layer.size} bytes {layer.files} files")
 
