@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 STATUS_HEADER = "Dsec-Status"
-TIMEOUT_HEADER = "Dsec-Timeout"  # how long the caller waits, in seconds (bus.time_left)
+TIMEOUT_HEADER = "Dsec-Timeout"  # how long the caller waits, in seconds (dsec_kernel.deadline)
 WORKING_EVERY_S = 1.0
 SILENCE_S = 5.0  # five beats missed: the request (or its service's connection) is gone
 _NO_RESPONDERS = "503"  # the status nats-server answers with when nothing subscribes
