@@ -19,6 +19,7 @@ from dsec_placement_basic import LeastLoaded
 import dsec_kernel as dsec
 from dsec_kernel import bus
 from dsec_kernel.apiserver import ApiServer
+from dsec_kernel.bus.serving import InFlight
 from dsec_kernel.cluster import ensure_tenant
 from dsec_kernel.config import ApiSettings, EdgeSettings
 from dsec_kernel.contract import errors
@@ -613,13 +614,13 @@ async def test_a_credential_past_its_requests_in_flight_is_refused_at_once(tmp_p
 def test_requests_in_flight_are_bounded_by_count_and_bytes():
     """The same policy for bytes: a credential's request bodies in flight stay under
     ``caller_bytes`` (16 MiB calls queued on an edge filled three services' memory)."""
-    runner = bus._Endpoints(10, 3, 100, None)
+    runner = InFlight(10, 3, 100, None)
     runner.running["a"], runner.holding["a"] = 1, 10
-    assert runner._refusal("a", 90) is None
-    assert isinstance(runner._refusal("a", 91), errors.QueueFull)
-    assert runner._refusal("b", 100) is None  # another credential's own
+    assert runner.refusal("a", 90) is None
+    assert isinstance(runner.refusal("a", 91), errors.QueueFull)
+    assert runner.refusal("b", 100) is None  # another credential's own
     runner.running["a"] = 3
-    assert isinstance(runner._refusal("a", 1), errors.QueueFull)
+    assert isinstance(runner.refusal("a", 1), errors.QueueFull)
 
 
 async def test_quotas_limit_sandboxes_cpus_and_memory(platform):

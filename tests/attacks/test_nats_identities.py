@@ -21,8 +21,8 @@ import pytest
 
 import dsec_kernel as dsec
 from dsec_kernel import bus
+from dsec_kernel.bus.replies import replies_of
 from dsec_kernel.contract import errors
-from dsec_kernel.replies import replies_of
 from dsec_kernel.state import ClusterState
 
 BUSYBOX = dsec.Env(base="busybox:1")
