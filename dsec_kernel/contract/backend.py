@@ -32,6 +32,7 @@ from dsec_kernel.contract.config import NoConfig
 from dsec_kernel.contract.wire import (
     Capabilities,
     EdgeSandbox,
+    ExecRequest,
     ExecResult,
     FncallRequest,
     FsDiff,
@@ -48,10 +49,13 @@ from dsec_kernel.contract.wire import (
     SnapshotRequest,
     WriteFileRequest,
     WriteFileResponse,
+    shell_argv,
 )
+from dsec_kernel.contract.wire.exec import ExecOptions
 
 if TYPE_CHECKING:
     from dsec_kernel.contract.hooks import Hooks
+    from dsec_kernel.contract.wire.sandbox import LayerRef
 
 __all__ = [
     "Backend",
@@ -91,21 +95,30 @@ class SandboxRef(BaseModel):
     sandbox_id: SandboxId
 
 
-class ExecCall(BaseModel):
-    """One command in one sandbox (the edge splits batch requests into these)."""
+class ExecCall(ExecOptions):
+    """One command in one sandbox: an :class:`ExecRequest`'s options as they came, for one
+    of its sandboxes (the edge splits a batch into these), its command as an argv."""
 
     model_config = ConfigDict(extra="forbid")
 
     sandbox_id: SandboxId
-    argv: list[str] = Field(min_length=1)
-    timeout_s: float = Field(gt=0)
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = None
-    user: str | None = None
-    stdin: bytes = b""
-    max_output_bytes: int = Field(ge=0)
-    limits: Limits = Field(default_factory=Limits)
+    argv: list[str] = Field(min_length=1, description="the request's command (a string: sh -c)")
+    limits: Limits = Field(
+        default_factory=Limits,
+        description="the call's own, over the sandbox's (the edge sets none)",
+    )
     tenant: str = Field("", description="whose command it is (backends share slots fairly)")
+
+    @classmethod
+    def of(cls, request: ExecRequest, sandbox_id: str, tenant: str) -> ExecCall:
+        """The call ``request`` makes in ``sandbox_id``, one of its sandboxes."""
+        options = {name: getattr(request, name) for name in _OPTIONS}
+        return cls(
+            sandbox_id=sandbox_id, argv=shell_argv(request.command), tenant=tenant, **options
+        )
+
+
+_OPTIONS = tuple(ExecOptions.model_fields)  # what ExecCall.of takes from the request as it is
 
 
 class SandboxStatus(BaseModel):
@@ -210,11 +223,11 @@ class Backend(abc.ABC):
         """Make a snapshot a layer in the layer store."""
         raise errors.Unsupported(f"the {self.name} backend cannot publish layers")
 
-    async def prestage(self, layers: list[str], tenant: str | None = None) -> list[str]:
-        """Make these layers (``name:version``, as ``tenant`` sees them: its own and public
-        ones) ready on this node ahead of sandboxes that will use them; returns those it
-        staged, named as in :attr:`SandboxStatus.layers` (a backend without layers stages
-        none)."""
+    async def prestage(self, layers: list[LayerRef], tenant: str | None = None) -> list[str]:
+        """Make these layers (as ``tenant`` sees them: its own and public ones; of the kind
+        each names, if it names one) ready on this node ahead of sandboxes that will use
+        them; returns those it staged, named as in :attr:`SandboxStatus.layers` (a backend
+        without layers stages none)."""
         return []
 
     async def pause(self, ref: SandboxRef) -> PauseReport:

@@ -94,13 +94,8 @@ class BackendConformance:
         )
 
     def call(self, sandbox: str, argv: list[str], **kw: object) -> ExecCall:
-        return ExecCall(
-            sandbox_id=sandbox,
-            argv=argv,
-            timeout_s=kw.pop("timeout_s", 30.0),
-            max_output_bytes=kw.pop("max_output_bytes", 1 << 20),
-            **kw,  # type: ignore[arg-type]
-        )
+        """A command in ``sandbox`` with ExecCall's defaults, but 30 s to run (``kw``: fields)."""
+        return ExecCall(sandbox_id=sandbox, argv=argv, **{"timeout_s": 30.0, **kw})  # type: ignore[arg-type]
 
     def need(self, backend: Backend, capability: str) -> None:
         if not getattr(backend.capabilities, capability):

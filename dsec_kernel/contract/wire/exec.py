@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, field_validator, model_validator
 
 from dsec_kernel.contract.wire.base import SANDBOX_ID_PATTERN, Message, SandboxId, TypedError
 from dsec_kernel.contract.wire.sandbox import MAX_BATCH, Limits
@@ -16,6 +16,7 @@ __all__ = [
     "MAX_OUTPUT",
     "MAX_RESPONSE_OUTPUT",
     "MAX_TIMEOUT_S",
+    "ExecOptions",
     "ExecRequest",
     "ExecResponse",
     "ExecResult",
@@ -90,18 +91,25 @@ def _check_env(env: dict[str, str]) -> dict[str, str]:
 EnvVars = Annotated[dict[str, str], AfterValidator(_check_env)]
 
 
-class ExecRequest(Message):
-    """Run one command in each of ``sandbox_ids`` (one sandbox, or many at once)."""
+class ExecOptions(BaseModel):
+    """How a command runs, in each sandbox it is sent to: what an :class:`ExecRequest` gives
+    every one of its sandboxes and the backend's ``ExecCall`` receives as it is (so a field
+    added here reaches the backends with no other edit)."""
 
-    type: Literal["io.dsec.exec.v1.exec_request"] = "io.dsec.exec.v1.exec_request"
-    sandbox_ids: list[SandboxId] = Field(min_length=1, max_length=MAX_BATCH)
-    command: str | list[str] = Field(description="argv, or a string for /bin/sh -c")
     timeout_s: float = Timeout
     env: EnvVars = Field(default_factory=dict)
     cwd: str | None = None
     user: str | None = Field(None, description="user name or uid to run as, if the backend can")
     stdin: bytes = b""
     max_output_bytes: int = OutputCap
+
+
+class ExecRequest(ExecOptions, Message):
+    """Run one command in each of ``sandbox_ids`` (one sandbox, or many at once)."""
+
+    type: Literal["io.dsec.exec.v1.exec_request"] = "io.dsec.exec.v1.exec_request"
+    sandbox_ids: list[SandboxId] = Field(min_length=1, max_length=MAX_BATCH)
+    command: str | list[str] = Field(description="argv, or a string for /bin/sh -c")
     request_id: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9_-]{1,64}$",
