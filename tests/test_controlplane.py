@@ -502,7 +502,7 @@ async def test_edge_reconciles_with_cluster_state(platform):
     assert (await c.get(kept[1].id)).info.state == "ready"
     await platform.stop_edge("e1")
     restarted = await platform.add_edge("e1")  # a fresh noop backend holds nothing
-    assert restarted.sandboxes == {}
+    assert not restarted.sandboxes
     assert {sb.info.state for sb in await c.list()} == {"lost"}
     await c.destroy(kept)
     await c.close()

@@ -28,7 +28,7 @@ from nats.aio.client import Client as NATS
 from dsec_kernel import bus
 from dsec_kernel.contract import errors
 from dsec_kernel.contract.wire import NodeInfo
-from dsec_kernel.state import ClusterState
+from dsec_kernel.state.facade import ClusterState
 
 __all__ = ["Heartbeat"]
 
