@@ -10,6 +10,7 @@ from dsec_kernel.contract import hookspecs
 from dsec_kernel.contract.hookspecs import hookimpl
 from dsec_kernel.contract.placement import NodeView, PlacementRequest
 from dsec_kernel.contract.wire import ExecRequest, NodeInfo, SandboxInfo, SandboxSpec
+from dsec_kernel.contract.wire.sandbox import LayerRef
 from dsec_kernel.loader import load_hooks
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
@@ -73,8 +74,8 @@ class Recorder:
         return 0.5
 
     @hookimpl
-    def dsec_layer_resolve(self, name, version, kind):
-        return {"digest": f"sha256:{name}-{version}", "size": 1, "kind": kind}
+    def dsec_layer_resolve(self, tenant, ref):
+        return f"{tenant}'s {ref.kind} {ref}"
 
     @hookimpl
     def dsec_layer_read(self, node, digest, sandbox_id, bytes_read):
@@ -111,7 +112,9 @@ async def test_every_hook_through_the_facade():
     assert hooks.placement_filter(NodeView(NODE), REQ)
     assert not hooks.placement_filter(NodeView(NODE.model_copy(update={"node": "vetoed"})), REQ)
     assert hooks.placement_score(NodeView(NODE), REQ) == 1.0  # two plugins, 0.5 each
-    assert (await hooks.layer_resolve("deb", "12", "base"))["digest"] == "sha256:deb-12"
+    deb = LayerRef(name="deb", version="12", kind="base")
+    assert await hooks.layer_resolve("t", deb) == "t's base deb:12"
+    assert hooks.observes_layer_reads() and not load_hooks(guards=[]).observes_layer_reads()
     rm = ExecRequest(sandbox_ids=[SB.id], command="rm -rf /")
     assert await hooks.guard_exec(SB, rm) == "no rm"
     assert await hooks.guard_exec(SB, rm.model_copy(update={"command": "ls"})) is None

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 import dsec_kernel
 from dsec_kernel.cli import main
 from dsec_kernel.contract import errors, wire
+from dsec_kernel.contract.wire.sandbox import LAYER_REF_PATTERN, LayerRef
 
 SCHEMAS = Path(dsec_kernel.__file__).parent / "contract" / "schemas"
 
@@ -59,6 +60,47 @@ def test_a_backend_declaring_a_capability_that_does_not_exist_is_refused():
 def test_bad_exec_requests_are_refused(bad):
     with pytest.raises(ValidationError):
         wire.ExecRequest(**bad)
+
+
+def test_layer_references_are_structured_and_users_may_write_them_short():
+    env = wire.Env(base="debian-python:12", workspace="attrs:23.2.0", toolkits=["pytest:8.3"])
+    assert [(r.name, r.version, r.kind) for r in env.refs()] == [
+        ("pytest", "8.3", "toolkit"), ("attrs", "23.2.0", "workspace"),
+        ("debian-python", "12", "base"),
+    ]  # fmt: skip
+    sent = json.loads(env.model_dump_json())  # the wire carries the model, not the string
+    assert sent["base"] == {"name": "debian-python", "version": "12", "kind": "base"}
+    assert wire.Env.model_validate(sent) == env
+    old = {"base": "debian-python:12", "toolkits": ["pytest:8.3"]}  # as records were written
+    assert wire.Env.model_validate(old).toolkits == [env.toolkits[0]]
+    given = LayerRef(name="attrs", version="23.2.0")  # no kind: its place in the env gives it
+    assert wire.Env(base="debian-python:12", workspace=given).workspace == env.workspace
+    staged = wire.PrestageRequest(layers=["busybox:1"]).layers
+    assert staged == [LayerRef(name="busybox", version="1", kind=None)]  # a prestage: any kind
+    assert str(env.base) == "debian-python:12" and env.base.listed_as("alice") == (
+        "alice/debian-python:12"
+    )
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"base": "debian-python"},  # no version
+        {"base": "-x:1"},
+        {"base": "a:1:2"},
+        {"base": {"name": "a", "version": "1", "kind": "toolkit"}},  # a toolkit in base's place
+        {"base": {"name": "a", "version": "1", "tenant": "alice"}},  # no owner in a reference
+    ],
+)
+def test_bad_layer_references_are_refused(bad):
+    with pytest.raises(ValidationError):
+        wire.Env.model_validate(bad)
+
+
+def test_the_layer_schema_takes_both_forms():
+    ref = wire.CreateRequest.model_json_schema()["$defs"]["LayerRef"]
+    assert {"type": "string", "pattern": LAYER_REF_PATTERN} in ref["anyOf"]
+    assert any(s.get("properties", {}).keys() == {"name", "version", "kind"} for s in ref["anyOf"])
 
 
 def test_every_error_code_has_its_exit_status_in_the_docs():

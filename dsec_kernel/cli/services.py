@@ -16,6 +16,7 @@ from dsec_kernel import bus
 from dsec_kernel.apiserver import ApiServer
 from dsec_kernel.config import ApiSettings, EdgeSettings
 from dsec_kernel.edge import Edge, load_backends
+from dsec_kernel.layercheck import layer_store_plugins
 from dsec_kernel.loader import load_driver, load_hooks
 
 __all__ = ["freeze_long_lived", "run_apiserver", "run_edge", "serve_until_signalled"]
@@ -74,7 +75,9 @@ async def _connect(settings: ApiSettings | EdgeSettings, name: str) -> NATS:
 
 
 async def _apiserver(settings: ApiSettings, stop: asyncio.Event) -> None:
-    hooks = load_hooks(guards=settings.guards, guard_config=settings.guard_config)
+    hooks = load_hooks(  # the layer store answers the check of a create's layers
+        layer_store_plugins(), guards=settings.guards, guard_config=settings.guard_config
+    )
     policy = load_driver("dsec.placement", settings.placement, settings.placement_config, hooks)
     nc = await _connect(settings, "dsec-apiserver")
     api_nc = await _connect(settings, "dsec-apiserver-api")  # tenants' requests: their own

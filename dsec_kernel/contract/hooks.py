@@ -18,7 +18,9 @@ from dsec_kernel.contract import hookspecs
 
 if TYPE_CHECKING:
     from dsec_kernel.contract.placement import NodeView, PlacementRequest
+    from dsec_kernel.contract.store import Layer
     from dsec_kernel.contract.wire import ExecRequest, NodeInfo, SandboxInfo
+    from dsec_kernel.contract.wire.sandbox import LayerRef
 
 __all__ = ["Hooks"]
 
@@ -84,10 +86,14 @@ class Hooks:
 
     # -- storage -----------------------------------------------------------------------------
 
-    async def layer_resolve(self, name: str, version: str, kind: str) -> dict[str, Any] | None:
-        return await _await_me_maybe(
-            self.pm.hook.dsec_layer_resolve(name=name, version=version, kind=kind)
-        )
+    async def layer_resolve(self, tenant: str, ref: LayerRef) -> Layer | None:
+        """The layer's record from the first plugin that answers (its NotFound raised), or
+        None if none does."""
+        return await _await_me_maybe(self.pm.hook.dsec_layer_resolve(tenant=tenant, ref=ref))
+
+    def observes_layer_reads(self) -> bool:
+        """Whether any plugin implements ``dsec_layer_read`` (measuring reads costs)."""
+        return bool(self.pm.hook.dsec_layer_read.get_hookimpls())
 
     async def layer_read(self, node: str, digest: str, sandbox_id: str, bytes_read: int) -> None:
         await self._notify(

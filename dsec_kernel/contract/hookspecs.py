@@ -1,11 +1,12 @@
 """Hook specifications: where plugins observe or contribute to the kernel's work.
 
 Drivers (a backend, the layer store, the placement policy) are *selected* by name through
-stevedore (:mod:`dsec_kernel.loader`); hooks are for the places where *many* plugins
-take part. A plugin implements hooks with ``@dsec_kernel.hookimpl`` on an object it registers
-under the ``dsec.guards`` entry-point group (or any group: every loaded plugin object is
-registered). Kernel code never calls ``pm.hook.*`` directly; it goes through the typed
-facade :class:`dsec_kernel.contract.hooks.Hooks`.
+stevedore (:mod:`dsec_kernel.loader`); hooks are for the places where *many* plugins take
+part. A plugin implements hooks with ``@dsec_kernel.hookimpl`` on an object it registers under
+the ``dsec.guards`` entry-point group (every process registers the guards it is configured
+with, all installed ones by default), or on a driver that the process registers: an edge's
+backends, an apiserver's layer store. Kernel code never calls ``pm.hook.*`` directly; it goes
+through the typed facade :class:`dsec_kernel.contract.hooks.Hooks`.
 
 Hooks are synchronous. One that needs I/O may return an awaitable; the facade awaits it.
 """
@@ -17,8 +18,12 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
     from dsec_kernel.contract.placement import NodeView, PlacementRequest
+    from dsec_kernel.contract.store import Layer
     from dsec_kernel.contract.wire import ExecRequest, NodeInfo, SandboxInfo
+    from dsec_kernel.contract.wire.sandbox import LayerRef
 
 hookspec = pluggy.HookspecMarker("dsec")
 hookimpl = pluggy.HookimplMarker("dsec")  # what a plugin marks its implementations with
@@ -100,20 +105,45 @@ def dsec_placement_score(node: NodeView, request: PlacementRequest) -> float | N
 
 
 @hookspec(firstresult=True)
-def dsec_layer_resolve(name: str, version: str, kind: str) -> dict[str, Any] | None:
-    """Resolve a layer reference ``name:version`` of ``kind`` (``base``, ``workspace`` or
-    ``toolkit``) to the layer's record (at least ``digest`` and ``size``).
+def dsec_layer_resolve(tenant: str, ref: LayerRef) -> Layer | Awaitable[Layer] | None:
+    """Called on the apiserver for each layer of a create's or a warm pool's env, before
+    any of its sandboxes is placed (:func:`dsec_kernel.layercheck.check_layers`).
 
-    First result wins; ``None`` means "not mine / not found". The kernel raises NotFound when
-    no plugin resolves a layer a sandbox asks for.
+    :param tenant: who asks; the layer as it sees the store (a public layer first, then its
+        own).
+    :param ref: the layer, with the kind of its place in the env.
+
+    Return the layer's record (or an awaitable of it), or raise
+    :class:`~dsec_kernel.contract.errors.NotFound` if the store has no such layer for
+    ``tenant`` (in words that say nothing of other tenants' layers): the create then fails
+    with one NotFound naming every missing layer of its env. ``None``: not this plugin's to
+    say. First result wins.
+
+    The apiserver registers the layer store of its configuration (``DSEC_STORAGE``,
+    ``DSEC_STORAGE_CONFIG__*``) when a storage plugin is installed with it, so a store
+    answers by implementing this hook. When no plugin answers, the layer is not checked
+    there: the backend of the node the sandbox is placed on resolves it when it makes the
+    sandbox (and that create fails with NotFound for the first missing layer).
     """
 
 
 @hookspec
 def dsec_layer_read(node: str, digest: str, sandbox_id: str, bytes_read: int) -> None:
-    """A layer store reports how many bytes of layer ``digest`` a sandbox read on ``node``.
+    """Called on the edge after a sandbox made of layers is destroyed, once for each layer
+    image it used, by the backend that mounted them from the layer store (``container``).
 
-    Lets any plugin (metrics, placement locality) observe on-demand reads. Return ignored.
+    :param node: the node the sandbox ran on.
+    :param digest: the layer's image.
+    :param sandbox_id: the sandbox.
+    :param bytes_read: how much of the image ``node`` had read when the sandbox let go of
+        it, as the store measures it (:meth:`~dsec_kernel.contract.store.LayerStore.usage`:
+        the image's pages in the node's page cache). A node's sandboxes share one mount of
+        each image, so this counts what all of them read there, less what the kernel
+        evicted since.
+
+    Lets a metrics or locality plugin observe on-demand reads. Measuring walks the mounted
+    image, so a backend measures (and calls this) only while some plugin implements it.
+    Return value ignored.
     """
 
 

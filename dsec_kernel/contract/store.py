@@ -35,16 +35,21 @@ import hashlib
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_kernel.contract.config import NoConfig
 from dsec_kernel.contract.errors import InvalidArgument, NotFound
 from dsec_kernel.contract.wire.base import NAME_PATTERN
+from dsec_kernel.contract.wire.sandbox import (
+    LAYER_NAME_PATTERN,
+    LAYER_VERSION_PATTERN,
+    LayerKind,
+    LayerRef,
+)
 
 __all__ = [
-    "KINDS",
     "GcReport",
     "Layer",
     "LayerRecipe",
@@ -54,8 +59,6 @@ __all__ = [
     "ensure_layer",
 ]
 
-KINDS = ("base", "workspace", "toolkit")
-Kind = Literal["base", "workspace", "toolkit"]
 Progress = Callable[[str], None]
 
 
@@ -65,9 +68,9 @@ class Layer(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$", description="digest of the image")
-    kind: Kind
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-    version: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+    kind: LayerKind
+    name: str = Field(pattern=LAYER_NAME_PATTERN)
+    version: str = Field(pattern=LAYER_VERSION_PATTERN)
     size: int = Field(ge=0, description="image bytes")
     files: int = Field(0, ge=0, description="entries in the filesystem")
     created_at: float = 0.0
@@ -81,7 +84,13 @@ class Layer(BaseModel):
 
     @property
     def ref(self) -> str:
+        """``name:version``, as people write it."""
         return f"{self.name}:{self.version}"
+
+    @property
+    def listed(self) -> str:
+        """The layer as nodes list it (:meth:`LayerRef.listed_as` its owner)."""
+        return LayerRef(name=self.name, version=self.version, kind=self.kind).listed_as(self.tenant)
 
 
 class LayerUsage(BaseModel):
@@ -117,7 +126,7 @@ class LayerStore(abc.ABC):
     def import_layer(
         self,
         source: str,
-        kind: Kind,
+        kind: LayerKind,
         name: str,
         version: str,
         progress: Progress | None = None,
@@ -144,7 +153,7 @@ class LayerStore(abc.ABC):
 
     @abc.abstractmethod
     def resolve(
-        self, name: str, version: str, kind: Kind | None = None, *, tenant: str | None = None
+        self, name: str, version: str, kind: LayerKind | None = None, *, tenant: str | None = None
     ) -> Layer:
         """The layer ``name:version`` (of ``kind`` when given) as ``tenant`` sees it: the
         public one, else the tenant's own (None: public only). NotFound otherwise, with a
@@ -226,7 +235,7 @@ class LayerRecipe(abc.ABC):
     inputs (the same packages, the same binary), its tree gives the same image, so that every
     store and every node agrees on what ``name:version`` holds."""
 
-    kind: ClassVar[Kind]
+    kind: ClassVar[LayerKind]
     name: ClassVar[str]
     version: str  # the default's; an instance with more packages has its own
     summary: ClassVar[str]  # one line: what the tree holds, and what building it takes
@@ -266,7 +275,7 @@ class LayerRecipe(abc.ABC):
 
 def ensure_layer(
     store: LayerStore,
-    kind: Kind,
+    kind: LayerKind,
     name: str,
     version: str,
     builder: Callable[[Path], object],

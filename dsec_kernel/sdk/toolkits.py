@@ -29,8 +29,11 @@ import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from pydantic import ValidationError
+
 from dsec_kernel.contract import errors
 from dsec_kernel.contract.wire import Env
+from dsec_kernel.contract.wire.sandbox import LayerRef
 from dsec_kernel.contract.wire.snapshot import LayerInfo
 
 if TYPE_CHECKING:
@@ -169,12 +172,18 @@ async def build_toolkit(
     build runs (None: the first, by name, of the cluster's backends that take layers and
     snapshots).
 
-    InvalidArgument for requirements :func:`check_requirements` refuses and for a base with
-    no ``python3`` with pip;
+    InvalidArgument for a ``ref`` that is not NAME:VERSION, requirements
+    :func:`check_requirements` refuses and a base with no ``python3`` with pip;
     Unavailable if pip fails (its last lines say why) or runs past ``timeout``
     seconds; a publish's Conflict if the tenant's ``ref`` exists with other files."""
     say = progress or (lambda _line: None)
-    name, _, version = ref.partition(":")
+    try:
+        toolkit = LayerRef.model_validate(ref)
+    except ValidationError:
+        raise errors.InvalidArgument(
+            f"toolkit {ref!r} is not NAME:VERSION, such as pytest:8.3"
+        ) from None
+    name, version = toolkit.name, toolkit.version
     reqs = check_requirements(requirements)
     backend = backend or await _layered_backend(client)
     say(f"creating a {backend} sandbox of {base} (egress network)")

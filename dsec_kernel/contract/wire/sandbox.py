@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    StringConstraints,
+    model_validator,
+)
 
 from dsec_kernel.contract.wire.base import Error, Message, Name, SandboxId, SnapshotId
 
 __all__ = [
+    "LAYER_KINDS",
+    "LAYER_NAME_PATTERN",
+    "LAYER_REF_PATTERN",
+    "LAYER_VERSION_PATTERN",
     "MAX_BATCH",
     "MAX_TTL_S",
     "CreateFailure",
@@ -21,6 +33,8 @@ __all__ = [
     "EdgeSandbox",
     "Env",
     "Failure",
+    "LayerKind",
+    "LayerRef",
     "Limits",
     "ListRequest",
     "ListResponse",
@@ -59,29 +73,94 @@ LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 LabelValue = Annotated[str, StringConstraints(max_length=256)]
 Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=64)]
 
-LayerRef = Annotated[
-    str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}:[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
-]
+#: a layer's name and version, as the layer store has them
+LAYER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+LAYER_VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$"
+#: the short form a user may write a layer reference in: ``name:version``
+LAYER_REF_PATTERN = f"{LAYER_NAME_PATTERN[:-1]}:{LAYER_VERSION_PATTERN[1:]}"
+#: what a layer holds: an OS and runtimes, a task's files, or tools and a harness
+LayerKind = Literal["base", "workspace", "toolkit"]
+LAYER_KINDS: tuple[LayerKind, ...] = get_args(LayerKind)
+
+
+class LayerRef(BaseModel):
+    """A layer that a sandbox's env or a prestage names: its ``name`` and ``version``, and
+    the ``kind`` it must be (None: whichever it is; a layer of an :class:`Env` always has
+    the kind of its place there).
+
+    Whose layer it is is not part of the reference: resolved as a tenant, it is the public
+    layer of that name and version if there is one, else the tenant's own
+    (:mod:`dsec_kernel.contract.store`). A node lists the layers it has as
+    :meth:`listed_as` says.
+
+    Where people write layers (``dsec.Env(base="debian-python:12")``, the command line, a
+    prestage) the short form ``"name:version"`` is taken too, and made this model when the
+    message is made; what comes after handles only the model.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=LAYER_NAME_PATTERN)
+    version: str = Field(pattern=LAYER_VERSION_PATTERN)
+    kind: LayerKind | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short_form(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            name, sep, version = value.partition(":")
+            if not sep:
+                raise ValueError(f"layer {value!r} is not name:version (such as debian-python:12)")
+            return {"name": name, "version": version}
+        return value
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core: Any, handler: GetJsonSchemaHandler) -> Any:
+        schema = handler(core)
+        if handler.mode == "serialization":
+            return schema
+        return {"anyOf": [schema, {"type": "string", "pattern": LAYER_REF_PATTERN}]}
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.version}"
+
+    def listed_as(self, owner: str | None) -> str:
+        """The layer as a node lists it (``NodeInfo.layers``, ``SandboxStatus.layers``) when
+        ``owner`` has it: ``name:version`` if public (None), ``owner/name:version`` if a
+        tenant's own."""
+        return f"{owner}/{self}" if owner else str(self)
+
+
+def _placed(kind: LayerKind) -> AfterValidator:
+    """A layer in the env's place for ``kind``: of that kind (given none, it is given it)."""
+
+    def check(ref: LayerRef) -> LayerRef:
+        if ref.kind is None:
+            return ref.model_copy(update={"kind": kind})
+        if ref.kind != kind:
+            raise ValueError(f"layer {ref} is named as a {ref.kind} layer, in the {kind}'s place")
+        return ref
+
+    return AfterValidator(check)
 
 
 class Env(BaseModel):
-    """An environment: layers (``name:version``) composed when the sandbox starts, the base
-    lowest, then the workspace, then the toolkits in order (later ones win)."""
+    """An environment: layers composed when the sandbox starts, the base lowest, then the
+    workspace, then the toolkits in order (later ones win). Each is a :class:`LayerRef`
+    (or its short form ``"name:version"``) of the kind its place says."""
 
     model_config = ConfigDict(extra="forbid")
 
-    base: LayerRef
-    workspace: LayerRef | None = None
-    toolkits: list[LayerRef] = Field(default_factory=list, max_length=16)
+    base: Annotated[LayerRef, _placed("base")]
+    workspace: Annotated[LayerRef, _placed("workspace")] | None = None
+    toolkits: list[Annotated[LayerRef, _placed("toolkit")]] = Field(
+        default_factory=list, max_length=16
+    )
 
-    def refs(self) -> list[tuple[str, str]]:
-        """(kind, name:version) from the top layer down."""
-        top = [("toolkit", t) for t in reversed(self.toolkits)]
-        return [
-            *top,
-            *([("workspace", self.workspace)] if self.workspace else []),
-            ("base", self.base),
-        ]
+    def refs(self) -> list[LayerRef]:
+        """Its layers from the top one down, each with its kind."""
+        top = list(reversed(self.toolkits))
+        return [*top, *([self.workspace] if self.workspace else []), self.base]
 
 
 class SandboxSpec(BaseModel):

@@ -63,7 +63,7 @@ from dsec_kernel.contract.backend import (
     SandboxRef,
     SandboxStatus,
 )
-from dsec_kernel.contract.store import Layer, LayerStore
+from dsec_kernel.contract.store import LayerStore
 from dsec_kernel.contract.wire import (
     MAX_FILE_BYTES,
     SANDBOX_ID_PATTERN,
@@ -82,6 +82,7 @@ from dsec_kernel.contract.wire import (
     WriteFileRequest,
     WriteFileResponse,
 )
+from dsec_kernel.contract.wire.sandbox import LayerRef
 from dsec_kernel.fairshare import TenantSlots
 from dsec_kernel.linuxhost.cgroups import Group, favor_dynamic_changes, host_reserve, v1_controllers
 from dsec_kernel.linuxhost.fileio import remove_tree
@@ -551,10 +552,10 @@ class ContainerBackend(Backend):
                 "from; `dsec layer ls` lists the layers"
             )
         layers = [
-            self.store.resolve(*ref.split(":", 1), kind, tenant=sandbox.tenant)
-            for kind, ref in spec.env.refs()
+            self.store.resolve(ref.name, ref.version, ref.kind, tenant=sandbox.tenant)
+            for ref in spec.env.refs()
         ]
-        return [layer.digest for layer in layers], [], [_owned_ref(x) for x in layers]
+        return [layer.digest for layer in layers], [], [x.listed for x in layers]
 
     def _create(self, sandbox: EdgeSandbox) -> tuple[Meta, int, list[str]]:
         spec = sandbox.spec
@@ -693,9 +694,25 @@ class ContainerBackend(Backend):
                     meta = sd.read()
                 except (OSError, ValueError):
                     meta = None
+            reads = {}
+            if meta is not None and self.hooks.observes_layer_reads():
+                reads = await asyncio.to_thread(self._layer_reads, meta.layers)
             await asyncio.to_thread(self._cleanup, sd, meta, pidfd)
         self._locks.pop(ref.sandbox_id, None)
         self._swap_check.set()
+        for digest, bytes_read in reads.items():
+            await self.hooks.layer_read(self.node, digest, ref.sandbox_id, bytes_read)
+
+    def _layer_reads(self, digests: list[str]) -> dict[str, int]:
+        """digest -> bytes of its image this node has read, measured while a sandbox still
+        has it mounted (the store sees the mount's files only then)."""
+        reads = {}
+        for digest in dict.fromkeys(digests):
+            try:
+                reads[digest] = self.store.usage(digest).bytes_read
+            except (errors.DsecError, OSError) as exc:  # its image gone from the store
+                log.warning("cannot measure the reads of layer %s: %s", digest, exc)
+        return reads
 
     async def status(self, ref: SandboxRef) -> SandboxStatus:
         if ref.sandbox_id not in self.metas:
@@ -712,16 +729,16 @@ class ContainerBackend(Backend):
             meta = self._meta(ref.sandbox_id)
             return await self.lanes.run(meta.tenant, self._pause, meta.id, key=meta.id)
 
-    async def prestage(self, layers: list[str], tenant: str | None = None) -> list[str]:
+    async def prestage(self, layers: list[LayerRef], tenant: str | None = None) -> list[str]:
         """Mount each layer (held until the backend closes, or until :data:`PRESTAGED`
         newer ones are) and walk its tree, so its metadata is read from the store now rather
         than by the first sandbox."""
         return await self.lanes.run(tenant or "", self._prestage, layers, tenant)
 
-    def _prestage(self, layers: list[str], tenant: str | None) -> list[str]:
+    def _prestage(self, layers: list[LayerRef], tenant: str | None) -> list[str]:
         staged = []
         for ref in layers:
-            layer = self.store.resolve(*ref.split(":", 1), tenant=tenant)
+            layer = self.store.resolve(ref.name, ref.version, ref.kind, tenant=tenant)
             root = self.store.mount(layer.digest, self._holder("prestaged"))
             self._staged.pop(layer.digest, None)
             self._staged[layer.digest] = None
@@ -731,7 +748,7 @@ class ContainerBackend(Backend):
                 self.store.release(oldest, self._holder("prestaged"))
             for _ in os.walk(root):  # its metadata read ahead of the sandboxes that use it
                 checkpoint()
-            staged.append(_owned_ref(layer))
+            staged.append(layer.listed)
         return staged
 
     async def _drop_swap(self) -> None:
@@ -995,12 +1012,6 @@ class ContainerBackend(Backend):
             remove_tree(tree)
         return LayerInfo(digest=layer.digest, kind=layer.kind, name=layer.name,
                          version=layer.version, size=layer.size)  # fmt: skip
-
-
-def _owned_ref(layer: Layer) -> str:
-    """A layer as nodes list it: ``name:version`` if public, ``tenant/name:version`` if a
-    tenant's own."""
-    return f"{layer.tenant}/{layer.ref}" if layer.tenant else layer.ref
 
 
 def _raise_open_files_limit() -> None:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_kernel.contract import errors
 from dsec_kernel.contract.placement import NodeView, PlacementPolicy, PlacementRequest
+from dsec_kernel.contract.wire.sandbox import LayerRef
 
 __all__ = ["BinPack", "LeastLoaded", "ScoredConfig", "ScoredPolicy", "SpreadByJob"]
 
@@ -57,7 +58,7 @@ class ScoredPolicy(PlacementPolicy):
                 f"{sum(free.values())} free on {len(cands)} node(s); retry later or add nodes"
             )
         cands = self._burst(request, nodes, cands, free)
-        refs = [ref for _, ref in request.spec.env.refs()] if request.spec.env else []
+        refs = request.spec.env.refs() if request.spec.env else []
         bonus = {n.name: self._bonus(request, n, refs) for n in cands}
         counts = dict(request.job_counts)
         heap = []
@@ -90,11 +91,13 @@ class ScoredPolicy(PlacementPolicy):
         penalty = 2.5 * max(0.0, used_mem - 0.8) + 0.5 * max(0.0, cpu - 1.0)
         return penalty + 1e-9 * (cpu + used_mem)
 
-    def _bonus(self, request: PlacementRequest, node: NodeView, refs: list[str]) -> float:
+    def _bonus(self, request: PlacementRequest, node: NodeView, refs: list[LayerRef]) -> float:
         bonus = self.hooks.placement_score(node, request)
         if refs and self.config.locality_weight:
-            cached = set(node.info.layers)
-            hits = sum(r in cached or f"{request.tenant}/{r}" in cached for r in refs)
+            cached = set(node.info.layers)  # as the node lists them: public, or the tenant's
+            hits = sum(
+                r.listed_as(None) in cached or r.listed_as(request.tenant) in cached for r in refs
+            )
             bonus += self.config.locality_weight * hits / len(refs)
         return bonus
 

@@ -113,6 +113,18 @@ def test_nodes_with_the_layers_cached_are_preferred():
     assert placed["warm"] == 0
 
 
+def test_a_tenants_own_layers_count_as_cached_for_it_alone():
+    env = Env(base="py:3", workspace="repo:1")  # request() asks as tenant "t"
+    nodes = [
+        node("cold"),
+        node("mine", used=10, layers=["py:3", "t/repo:1"]),  # t's own repo:1
+        node("theirs", used=10, layers=["py:3", "u/repo:1"]),  # u's, not t's
+    ]
+    assert Counter(make(LeastLoaded).place(request(1, env=env), nodes)) == {"mine": 1}
+    nodes = [node("cold"), node("theirs", used=10, layers=["u/py:3", "u/repo:1"])]
+    assert Counter(make(LeastLoaded).place(request(1, env=env), nodes)) == {"cold": 1}
+
+
 def test_the_cloud_pool_takes_sandboxes_only_past_the_threshold():
     policy = make(LeastLoaded)  # burst_pool "cloud" at 80 %
     cloud = node("c1", pool="cloud")

@@ -45,10 +45,15 @@ is refused (QuotaExceeded) before its tree is built; one whose new image would t
 adding of the layer run under the tenant's lock file, so concurrent imports of one tenant on
 several nodes do not both pass (on a store filesystem without locks they may: each can pass
 by one image). Re-importing a layer it has is never refused.
+
+Registered with an apiserver's hooks (:func:`dsec_kernel.layercheck.layer_store_plugins`),
+the store answers ``dsec_layer_resolve`` from its catalog, so a create's layers are checked
+before the create is placed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -57,7 +62,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from urllib.parse import quote, unquote
 
@@ -72,16 +77,16 @@ from dsec_kernel.contract.errors import (
     NotFound,
     QuotaExceeded,
 )
-from dsec_kernel.contract.store import (
-    KINDS,
-    GcReport,
-    Kind,
-    Layer,
-    LayerStore,
-    LayerUsage,
-    Progress,
-)
+from dsec_kernel.contract.hookspecs import hookimpl
+from dsec_kernel.contract.store import GcReport, Layer, LayerStore, LayerUsage, Progress
 from dsec_kernel.contract.wire.base import NAME_PATTERN
+from dsec_kernel.contract.wire.sandbox import (
+    LAYER_KINDS,
+    LAYER_NAME_PATTERN,
+    LAYER_VERSION_PATTERN,
+    LayerKind,
+    LayerRef,
+)
 from dsec_kernel.linuxhost.fileio import remove_tree
 from dsec_storage_3fs import erofs
 from dsec_storage_3fs.build import Built, build_image, size_text
@@ -90,9 +95,8 @@ from dsec_storage_3fs.pagecache import resident_bytes, tree_resident_bytes
 
 __all__ = ["ThreeFsConfig", "ThreeFsStore"]
 
-_SCHEMA = Layer.model_json_schema()["properties"]
-_NAME = re.compile(_SCHEMA["name"]["pattern"])
-_VERSION = re.compile(_SCHEMA["version"]["pattern"])
+_NAME = re.compile(LAYER_NAME_PATTERN)
+_VERSION = re.compile(LAYER_VERSION_PATTERN)
 _TENANT = re.compile(NAME_PATTERN)
 _DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
 _TMP_MAX_AGE_S = 86400.0
@@ -159,7 +163,7 @@ class ThreeFsStore(LayerStore):
     def import_layer(
         self,
         source: str,
-        kind: Kind,
+        kind: LayerKind,
         name: str,
         version: str,
         progress: Progress | None = None,
@@ -168,8 +172,8 @@ class ThreeFsStore(LayerStore):
         under: str = "",
         strip: int = 0,
     ) -> Layer:
-        if kind not in KINDS:
-            raise InvalidArgument(f"layer kind {kind!r} is not one of {', '.join(KINDS)}")
+        if kind not in LAYER_KINDS:
+            raise InvalidArgument(f"layer kind {kind!r} is not one of {', '.join(LAYER_KINDS)}")
         _check_ref(name, version)
         _scope(tenant)  # InvalidArgument for a bad tenant name
         if tenant is not None and self._record(name, version, None).exists():
@@ -209,7 +213,7 @@ class ThreeFsStore(LayerStore):
     def _add(
         self,
         built: Built,
-        kind: Kind,
+        kind: LayerKind,
         name: str,
         version: str,
         source: str,
@@ -249,7 +253,7 @@ class ThreeFsStore(LayerStore):
         return [layer for owner in [None, *owners] for layer in self._records(owner)]
 
     def resolve(
-        self, name: str, version: str, kind: Kind | None = None, *, tenant: str | None = None
+        self, name: str, version: str, kind: LayerKind | None = None, *, tenant: str | None = None
     ) -> Layer:
         """The public record, else the tenant's own; each read from the node cache while the
         store's record is unchanged. Other tenants' records are never looked at."""
@@ -410,6 +414,14 @@ class ThreeFsStore(LayerStore):
             else:
                 self._mounts.unmount(digest)
         return kept
+
+    # -- hooks (an apiserver registers its layer store) --------------------------------------
+
+    @hookimpl
+    def dsec_layer_resolve(self, tenant: str, ref: LayerRef) -> Awaitable[Layer]:
+        """A create's layer, checked on the apiserver before it is placed: :meth:`resolve`,
+        in a thread (it reads the catalog's files)."""
+        return asyncio.to_thread(self.resolve, ref.name, ref.version, ref.kind, tenant=tenant)
 
     # -- internals ---------------------------------------------------------------------------
 
