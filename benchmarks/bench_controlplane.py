@@ -23,7 +23,7 @@ from simcluster import simulated
 import dsec_kernel as dsec
 from dsec_kernel import bus
 from dsec_kernel.contract.wire import SandboxInfo
-from dsec_kernel.state import ClusterState
+from dsec_kernel.state.facade import ClusterState
 
 
 def cpu_seconds(pid: int) -> float:

@@ -27,7 +27,7 @@ from dsec_kernel.loader import default_backend
 from dsec_kernel.natscluster import NatsCluster
 from dsec_kernel.natsserver import NatsServer
 from dsec_kernel.sdk import AsyncClient
-from dsec_kernel.state import ClusterState
+from dsec_kernel.state.facade import ClusterState
 
 __all__ = ["Child", "LocalCluster", "ensure_tenant", "wait_ready"]
 
@@ -287,7 +287,7 @@ class LocalCluster:
         nc = await bus.connect(self.url, name="operator")
         try:
             state = await ClusterState.open(nc)
-            await state.quotas.put(tenant, quota.model_dump_json().encode())
+            await state.put_quota(tenant, quota)
         finally:
             await nc.close()
 

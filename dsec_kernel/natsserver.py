@@ -36,7 +36,9 @@ from dsec_kernel import bus
 from dsec_kernel.connection import write_private
 from dsec_kernel.contract import errors
 from dsec_kernel.linuxhost.procs import die_with_parent, stop_process
-from dsec_kernel.state import TENANTS, Mirror, nats_password, password_hash
+from dsec_kernel.state.buckets import TENANTS
+from dsec_kernel.state.mirror import Mirror
+from dsec_kernel.state.tenants import nats_password, password_hash
 
 __all__ = [
     "SERVICE_USER",

@@ -24,7 +24,7 @@ from nats.js.client import JetStreamContext
 
 from dsec_kernel.contract import errors
 from dsec_kernel.contract.wire import CommandRecord, ExecResult
-from dsec_kernel.state import ensure_replicas, publish
+from dsec_kernel.state.jetstream import ensure_replicas, publish
 
 __all__ = ["READ_BYTES", "Replays", "Trajectory", "stream", "subject"]
 

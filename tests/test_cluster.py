@@ -21,7 +21,8 @@ import dsec_kernel as dsec
 from dsec_kernel import bus
 from dsec_kernel.cluster import LocalCluster
 from dsec_kernel.loader import open_store
-from dsec_kernel.state import BUCKETS, ensure_replicas
+from dsec_kernel.state.buckets import BUCKETS
+from dsec_kernel.state.jetstream import ensure_replicas
 from dsec_kernel.trajectory import stream as trajectory_stream
 
 REASON = ContainerBackend.unavailable_reason() or (

@@ -37,7 +37,7 @@ from dsec_kernel.contract.wire import (
 from dsec_kernel.edge import Edge, load_backends
 from dsec_kernel.loader import load_hooks
 from dsec_kernel.natsserver import NatsServer
-from dsec_kernel.state import ClusterState
+from dsec_kernel.state.facade import ClusterState
 
 HEARTBEAT = 0.2
 NODE_TIMEOUT = 1.5

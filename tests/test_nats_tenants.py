@@ -29,7 +29,7 @@ from dsec_kernel.config import ApiSettings
 from dsec_kernel.contract import errors
 from dsec_kernel.loader import load_hooks
 from dsec_kernel.natsserver import NatsServer
-from dsec_kernel.state import ClusterState
+from dsec_kernel.state.facade import ClusterState
 
 API_LIST = bus.api_subject("list")
 

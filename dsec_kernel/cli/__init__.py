@@ -125,7 +125,8 @@ def _service_login(args: argparse.Namespace) -> tuple[str, Any]:
 async def _cmd_tenant(args: argparse.Namespace) -> int:
     from dsec_kernel import bus
     from dsec_kernel.contract.wire import NAME_PATTERN, Quota
-    from dsec_kernel.state import ClusterState, password_hash
+    from dsec_kernel.state.facade import ClusterState
+    from dsec_kernel.state.tenants import password_hash
 
     name = args.name
     if args.action != "logins" and not name:
@@ -139,7 +140,7 @@ async def _cmd_tenant(args: argparse.Namespace) -> int:
         if args.action == "quota":
             if not re.match(NAME_PATTERN, name):
                 raise errors.InvalidArgument(f"{name!r} is not a tenant name")
-            await state.quotas.put(name, quota.model_dump_json().encode())
+            await state.put_quota(name, quota)
             print(f"tenant {name}: quota {quota.model_dump_json()}")
             return 0
         if args.action == "remove":
@@ -157,7 +158,7 @@ async def _cmd_tenant(args: argparse.Namespace) -> int:
                 clients = ",".join(bus.server_urls(url))
                 await bus.wait_accepted(clients, bus.Login.for_token(token), args.wait)
             except errors.DsecError:
-                await state.tenants.delete(bus.token_key(token))
+                await state.withdraw_credential(token)
                 raise errors.Unavailable(
                     f"NATS did not take tenant {name}'s login within {args.wait:g}s, so the "
                     "credential was withdrawn: nothing loads logins from the tenants bucket into "

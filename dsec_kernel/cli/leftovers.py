@@ -17,7 +17,7 @@ from dsec_kernel import bus
 from dsec_kernel.contract import errors
 from dsec_kernel.contract.wire import DestroyRequest
 from dsec_kernel.contract.wire.sandbox import MAX_BATCH
-from dsec_kernel.state import ClusterState
+from dsec_kernel.state.facade import ClusterState
 
 __all__ = ["describe", "remove_all", "scan"]
 

@@ -23,7 +23,7 @@ import dsec_kernel as dsec
 from dsec_kernel import bus
 from dsec_kernel.bus.replies import replies_of
 from dsec_kernel.contract import errors
-from dsec_kernel.state import ClusterState
+from dsec_kernel.state.facade import ClusterState
 
 BUSYBOX = dsec.Env(base="busybox:1")
 

@@ -31,14 +31,16 @@ from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from dsec_kernel.apiserver.edges import Power
+from dsec_kernel.apiserver.leases import JobLookup
+from dsec_kernel.apiserver.registry import Registry
+from dsec_kernel.config import ApiSettings
 from dsec_kernel.contract import errors
+from dsec_kernel.contract.placement import NodeView
 from dsec_kernel.contract.wire import Quota, SandboxInfo, SandboxSpec
-from dsec_kernel.state import QUOTAS, Mirror
-
-if TYPE_CHECKING:
-    from dsec_kernel.apiserver import ApiServer
+from dsec_kernel.state.buckets import QUOTAS
+from dsec_kernel.state.facade import ClusterState
 
 __all__ = ["Admission", "Admitted"]
 
@@ -73,13 +75,26 @@ class _Waiter:
 class Admission:
     """The apiserver's admission control; see the module docstring."""
 
-    def __init__(self, api: ApiServer) -> None:
-        self.api = api
-        self.settings = api.settings
+    def __init__(
+        self,
+        settings: ApiSettings,
+        state: ClusterState,
+        views: dict[str, NodeView],
+        registry: Registry,
+        job: JobLookup,
+        power: Power,
+    ) -> None:
+        """``views`` are the node views (read only), ``job`` looks a job up (its priority),
+        ``power`` pauses and resumes sandboxes (preemption)."""
+        self.settings = settings
+        self.views = views
+        self.registry = registry
+        self.job = job
+        self.power = power
         self.queues: dict[str, list[_Waiter]] = defaultdict(list)  # backend -> heap
         self.queued: Counter[str] = Counter()  # tenant -> sandboxes waiting
         self.reserved: Counter[str] = Counter()  # backend -> admitted, being created
-        self.quotas: Mirror[Quota] | None = None
+        self.quotas = state.mirror(QUOTAS, Quota.model_validate_json)
         self._arrivals = itertools.count()
         self._usage: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
         self._charged: dict[str, tuple[str, float, float]] = {}  # id -> (tenant, cpus, mb)
@@ -87,17 +102,10 @@ class Admission:
         self._tasks: set[asyncio.Task[object]] = set()
         self._priority_paused: set[str] = set()  # ids paused to make room (see rebalance)
 
-    async def start(self) -> Mirror[Quota]:
-        assert self.api.state is not None
-        self.quotas = Mirror(self.api.state.js, QUOTAS, Quota.model_validate_json)
-        await self.quotas.start()
-        return self.quotas
-
     # -- quotas ------------------------------------------------------------------------------
 
     def standing(self, tenant: str, priority: int) -> int:
         """What ``priority`` counts for against other tenants' work (module docstring)."""
-        assert self.quotas is not None
         quota = self.quotas.get(tenant)
         ceiling = quota.max_priority if quota and quota.max_priority is not None else None
         return min(priority, self.settings.priority_ceiling if ceiling is None else ceiling)
@@ -128,7 +136,6 @@ class Admission:
 
     def quota_room(self, tenant: str, spec: SandboxSpec) -> int | None:
         """How many more sandboxes of ``spec`` the tenant's quota allows (None: no limit)."""
-        assert self.quotas is not None
         quota = self.quotas.get(tenant)
         if quota is None:
             return None
@@ -154,7 +161,6 @@ class Admission:
         return count, None
 
     def _check_quota(self, tenant: str, spec: SandboxSpec, count: int) -> tuple[float, float]:
-        assert self.quotas is not None
         cpus, mb = self.charge(spec)
         quota = self.quotas.get(tenant)
         if quota is None:
@@ -175,7 +181,7 @@ class Admission:
     # -- the queue ---------------------------------------------------------------------------
 
     def free(self, backend: str) -> int:
-        up = (v for v in self.api.views.values() if v.info.serving)
+        up = (v for v in self.views.values() if v.info.serving)
         return sum(v.free(backend) for v in up) - self.reserved[backend]
 
     @asynccontextmanager
@@ -206,7 +212,7 @@ class Admission:
         self, tenant: str, backend: str, count: int, wait_s: float, priority: int
     ) -> tuple[float, int]:
         queue = self.queues[backend]
-        up = [v for v in self.api.views.values() if v.info.serving]
+        up = [v for v in self.views.values() if v.info.serving]
         if count > sum(v.capacity(backend) for v in up):
             raise errors.CapacityExceeded(
                 f"{count} {backend} sandboxes at once is more than the nodes up can ever hold "
@@ -279,7 +285,7 @@ class Admission:
             "pausing %d sandbox(es) of lower priority for a priority-%d request",
             len(victims), head.priority,
         )  # fmt: skip
-        task = asyncio.ensure_future(self.api.power("pause", victims, "priority"))
+        task = asyncio.ensure_future(self.power("pause", victims, "priority"))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -290,12 +296,12 @@ class Admission:
         end = time.time() + self.settings.protect_s
         standing = self.standing(tenant, priority)
         found: list[tuple[int, float, SandboxInfo]] = []
-        for info, _ in self.api.sandboxes.items.values():
+        for info, _ in self.registry.items.values():
             if info.state != "ready" or info.backend != backend or not info.job or info.in_pool:
                 continue
             if info.expires_at is not None and info.expires_at < end:
                 continue
-            job = self.api.leases.job(info.tenant, info.job)
+            job = self.job(info.tenant, info.job)
             p = job.priority if job else 0
             if info.tenant == tenant and p < priority:
                 found.append((p, -info.created_at, info))
@@ -312,10 +318,10 @@ class Admission:
         waiting = {b for b, q in self.queues.items() if any(not w.future.done() for w in q)}
         paused: dict[str, list[tuple[int, SandboxInfo]]] = defaultdict(list)
         for sid in list(self._priority_paused):
-            hit = self.api.sandboxes.items.get(sid)
+            hit = self.registry.items.get(sid)
             if hit is not None:
                 info = hit[0]
-                job = self.api.leases.job(info.tenant, info.job) if info.job else None
+                job = self.job(info.tenant, info.job) if info.job else None
                 p = self.standing(info.tenant, job.priority if job else 0)
                 paused[info.backend].append((p, info))
         for backend, items in paused.items():
@@ -323,7 +329,7 @@ class Admission:
             if backend in waiting or room <= 0:
                 continue
             items.sort(key=lambda x: -x[0])
-            await self.api.power("resume", [info for _, info in items[:room]], "priority")
+            await self.power("resume", [info for _, info in items[:room]], "priority")
 
 
 def _add(acc: list[float], n: float, cpus: float, mb: float) -> None:

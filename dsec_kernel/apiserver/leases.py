@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 from dsec_kernel import bus
+from dsec_kernel.apiserver.auth import Authenticate
+from dsec_kernel.apiserver.edges import Power
+from dsec_kernel.apiserver.registry import Registry
 from dsec_kernel.contract import errors
 from dsec_kernel.contract.wire import (
     DestroyResponse,
@@ -22,14 +25,15 @@ from dsec_kernel.contract.wire import (
     JobRenewRequest,
     SandboxInfo,
 )
-from dsec_kernel.state import JOBS, Mirror
+from dsec_kernel.state.buckets import JOBS
+from dsec_kernel.state.facade import ClusterState
 
-if TYPE_CHECKING:
-    from dsec_kernel.apiserver import ApiServer
-
-__all__ = ["Leases", "job_key"]
+__all__ = ["JobLookup", "Leases", "job_key"]
 
 log = logging.getLogger(__name__)
+
+#: ``job(tenant, name)``: a tenant's job, or None (:meth:`Leases.job`)
+JobLookup = Callable[[str, str], JobInfo | None]
 
 
 def job_key(tenant: str, name: str) -> str:
@@ -39,36 +43,38 @@ def job_key(tenant: str, name: str) -> str:
 class Leases:
     """The apiserver's part in jobs: its handlers and its periodic :meth:`check`."""
 
-    def __init__(self, api: ApiServer) -> None:
-        self.api = api
-        self.jobs: Mirror[JobInfo] | None = None
-
-    async def start(self) -> Mirror[JobInfo]:
-        assert self.api.state is not None
-        self.jobs = Mirror(self.api.state.js, JOBS, JobInfo.model_validate_json)
-        await self.jobs.start()
-        return self.jobs
+    def __init__(
+        self,
+        state: ClusterState,
+        registry: Registry,
+        authenticate: Authenticate,
+        power: Power,
+        destroy_all: Callable[[list[SandboxInfo]], Awaitable[list[str]]],
+    ) -> None:
+        self.state = state
+        self.registry = registry
+        self.authenticate = authenticate
+        self.power = power
+        self.destroy_all = destroy_all
+        self.jobs = state.mirror(JOBS, JobInfo.model_validate_json)
 
     def job(self, tenant: str, name: str) -> JobInfo | None:
-        assert self.jobs is not None
         return self.jobs.get(job_key(tenant, name))
 
     async def renew(self, req: bus.Request) -> JobInfo:
-        tenant = await self.api._auth(req)
+        tenant = await self.authenticate(req)
         r = JobRenewRequest.model_validate_json(req.data)
-        state = self.api.state
-        assert state is not None
         key = job_key(tenant, r.name)
         for _ in range(10):
             now = time.time()
-            hit = await state.get_job(key)
+            hit = await self.state.get_job(key)
             info = JobInfo(
                 name=r.name, tenant=tenant, priority=r.priority, lease_s=r.lease_s,
                 created_at=hit[0].created_at if hit else now, renewed_at=now,
                 expires_at=now + r.lease_s,
             )  # fmt: skip
             try:
-                await state.cas_job(key, info, hit[1] if hit else None)
+                await self.state.cas_job(key, info, hit[1] if hit else None)
             except errors.Conflict:
                 continue
             if hit is not None and hit[0].state == "lapsed":
@@ -78,29 +84,20 @@ class Leases:
         raise errors.Conflict(f"job {r.name} keeps changing; try again")
 
     async def close(self, req: bus.Request) -> DestroyResponse:
-        tenant = await self.api._auth(req)
+        tenant = await self.authenticate(req)
         r = JobCloseRequest.model_validate_json(req.data)
-        assert self.api.state is not None
-        mine = self._sandboxes(tenant, r.name)
-        destroyed = await self.api.destroy_all(mine)
-        await self.api.state.jobs.delete(job_key(tenant, r.name))
+        mine = self.registry.job_members(tenant, r.name)
+        destroyed = await self.destroy_all(mine)
+        await self.state.delete_job(job_key(tenant, r.name))
         return DestroyResponse(destroyed=destroyed)
-
-    def _sandboxes(self, tenant: str, name: str, states: tuple[str, ...] = ()) -> list[SandboxInfo]:
-        items = self.api.sandboxes.items
-        hits = (items.get(sid) for sid in list(self.api.job_members.get((tenant, name), ())))
-        return [h[0] for h in hits if h is not None and (not states or h[0].state in states)]
 
     async def check(self) -> None:
         """Mark leases past their expiry lapsed, and pause their jobs' live sandboxes."""
-        assert self.jobs is not None and self.api.state is not None
         now = time.time()
         for key, (info, rev) in list(self.jobs.items.items()):
             if info.state == "active" and info.expires_at < now:
                 try:
-                    await self.api.state.cas_job(
-                        key, info.model_copy(update={"state": "lapsed"}), rev
-                    )
+                    await self.state.cas_job(key, info.model_copy(update={"state": "lapsed"}), rev)
                 except errors.Conflict:
                     continue  # renewed meanwhile, or another apiserver took it
                 log.warning(
@@ -108,12 +105,14 @@ class Leases:
                     info.name, info.tenant, now - info.renewed_at,
                 )  # fmt: skip
                 await self._set_power(info.tenant, info.name, "pause")
-            elif info.state == "lapsed" and self._sandboxes(info.tenant, info.name, ("ready",)):
+            elif info.state == "lapsed" and self.registry.job_members(
+                info.tenant, info.name, ("ready",)
+            ):
                 await self._set_power(info.tenant, info.name, "pause")
 
     async def _set_power(self, tenant: str, name: str, op: str) -> None:
         # a resume goes to all of them: the edge resumes only those the lapse paused
-        infos = self._sandboxes(tenant, name, ("ready",) if op == "pause" else ())
-        for part in await self.api.power(op, infos, "lease"):
+        infos = self.registry.job_members(tenant, name, ("ready",) if op == "pause" else ())
+        for part in await self.power(op, infos, "lease"):
             for f in part.failed:
                 log.info("%s of %s (job %s) failed: %s", op, f.id, name, f.error.message)

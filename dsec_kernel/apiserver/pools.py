@@ -15,15 +15,22 @@ import asyncio
 import logging
 import time
 from collections import defaultdict, deque
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from typing import TYPE_CHECKING
 
 from dsec_kernel import bus
+from dsec_kernel.apiserver.auth import Authenticate
+from dsec_kernel.apiserver.edges import Edges
+from dsec_kernel.apiserver.registry import Registry
+from dsec_kernel.apiserver.specs import Specs
+from dsec_kernel.config import ApiSettings
 from dsec_kernel.contract import errors
+from dsec_kernel.contract.placement import NodeView
 from dsec_kernel.contract.wire import (
     AcquireRequest,
     AcquireResponse,
     CreateRequest,
+    CreateResponse,
     DestroyResponse,
     PoolCloseRequest,
     PoolInfo,
@@ -31,13 +38,12 @@ from dsec_kernel.contract.wire import (
     ReleaseRequest,
     RestoreRequest,
     SandboxInfo,
+    SandboxSpec,
 )
-from dsec_kernel.state import LIVE, POOLS, Mirror
+from dsec_kernel.state.buckets import LIVE, POOLS
+from dsec_kernel.state.facade import ClusterState
 
-if TYPE_CHECKING:
-    from dsec_kernel.apiserver import ApiServer
-
-__all__ = ["Pools"]
+__all__ = ["Create", "Pools"]
 
 log = logging.getLogger(__name__)
 
@@ -46,23 +52,43 @@ DEMAND_WINDOW_S = 60.0
 #: most sandboxes one refill round makes for one pool
 FILL_STEP = 100
 
+#: ``create(tenant, request, pool=, in_pool=)``: every create's way in, through admission
+Create = Callable[..., Awaitable[CreateResponse]]
+
 
 class Pools:
     """The apiserver's part in warm pools: its handlers and its periodic :meth:`refill`."""
 
-    def __init__(self, api: ApiServer) -> None:
-        self.api = api
-        self.pools: Mirror[PoolInfo] | None = None
+    def __init__(
+        self,
+        settings: ApiSettings,
+        state: ClusterState,
+        registry: Registry,
+        views: dict[str, NodeView],
+        authenticate: Authenticate,
+        specs: Specs,
+        create: Create,
+        destroy_all: Callable[[list[SandboxInfo]], Awaitable[list[str]]],
+        quota_room: Callable[[str, SandboxSpec], int | None],
+        edges: Edges,
+    ) -> None:
+        """``views`` are the node views (read only); ``quota_room(tenant, spec)`` how many
+        more sandboxes a tenant's quota allows (None: no limit)."""
+        self.settings = settings
+        self.state = state
+        self.registry = registry
+        self.views = views
+        self.authenticate = authenticate
+        self.specs = specs
+        self.create = create
+        self.destroy_all = destroy_all
+        self.quota_room = quota_room
+        self.edges = edges
+        self.pools = state.mirror(POOLS, PoolInfo.model_validate_json)
         self._misses: dict[str, deque[tuple[float, int]]] = defaultdict(deque)
         self._fills: dict[str, asyncio.Task[None]] = {}  # pool key -> its refill now
         self._members: dict[str, set[str]] = defaultdict(set)  # pool key -> idle sandbox ids
         self._member_of: dict[str, str] = {}  # sandbox id -> pool key
-
-    async def start(self) -> Mirror[PoolInfo]:
-        assert self.api.state is not None
-        self.pools = Mirror(self.api.state.js, POOLS, PoolInfo.model_validate_json)
-        await self.pools.start()
-        return self.pools
 
     def indexed(self, sandbox_id: str, info: SandboxInfo | None) -> None:
         """Keep the index of idle pool members in step with the sandboxes mirror."""
@@ -77,10 +103,10 @@ class Pools:
     # -- handlers ----------------------------------------------------------------------------
 
     async def open(self, req: bus.Request) -> PoolInfo:
-        tenant = await self.api._auth(req)
+        tenant = await self.authenticate(req)
         r = PoolOpenRequest.model_validate_json(req.data)
-        r.spec = self.api.with_backend(r.spec)
-        self.api.check_spec(tenant, r.spec)
+        r.spec = self.specs.with_backend(r.spec)
+        self.specs.check(tenant, r.spec)
         old = self._pool(tenant, r.name)
         info = PoolInfo(
             name=r.name, tenant=tenant, spec=r.spec, size=r.size,
@@ -91,18 +117,16 @@ class Pools:
             raise errors.InvalidArgument(f"max_size {info.max_size} is below size {info.size}")
         if old is not None and old.spec != r.spec:
             raise errors.Conflict(f"pool {r.name} exists with another spec; close it first")
-        limit = self.api.settings.pools_per_tenant
-        assert self.pools is not None
+        limit = self.settings.pools_per_tenant
         if old is None and sum(p.tenant == tenant for p, _ in self.pools.items.values()) >= limit:
             raise errors.QuotaExceeded(
                 f"tenant {tenant} has {limit} pools, the most it may; close one first"
             )
-        assert self.api.state is not None
-        await self.api.state.pools.put(_key(tenant, r.name), info.model_dump_json().encode())
+        await self.state.put_pool(_key(tenant, r.name), info)
         return self._view(info)
 
     async def acquire(self, req: bus.Request) -> AcquireResponse:
-        tenant = await self.api._auth(req)
+        tenant = await self.authenticate(req)
         r = AcquireRequest.model_validate_json(req.data)
         pool = self._require(tenant, r.name)
         taken: list[SandboxInfo] = []
@@ -116,7 +140,7 @@ class Pools:
         missing = r.count - len(taken)
         if missing:
             self._misses[_key(tenant, r.name)].append((time.monotonic(), missing))
-            made = await self.api.admit_and_create(  # the tenant's quota holds here too
+            made = await self.create(  # the tenant's quota holds here too
                 tenant, CreateRequest(spec=pool.spec, count=missing), pool=r.name
             )
             taken += made.sandboxes
@@ -125,10 +149,10 @@ class Pools:
     async def release(self, req: bus.Request) -> DestroyResponse:
         """Reset each sandbox and return it to the pool; ``destroyed`` lists those that
         could not be reset (or found the pool full) and were destroyed instead."""
-        tenant = await self.api._auth(req)
+        tenant = await self.authenticate(req)
         r = ReleaseRequest.model_validate_json(req.data)
         pool = self._require(tenant, r.name)
-        infos = [await self.api._lookup(tenant, sid) for sid in dict.fromkeys(r.ids)]
+        infos = [await self.registry.lookup(tenant, sid) for sid in dict.fromkeys(r.ids)]
         for info in infos:
             if info.pool != r.name:
                 raise errors.InvalidArgument(f"sandbox {info.id} is not from pool {r.name}")
@@ -136,24 +160,21 @@ class Pools:
         results = await asyncio.gather(*(self._reset(i) for i in infos[:room]))
         drop = [i for i, ok in zip(infos, results, strict=False) if not ok] + infos[room:]
         if drop:
-            await self.api.destroy_all(drop)
+            await self.destroy_all(drop)
         return DestroyResponse(destroyed=[i.id for i in drop])
 
     async def close(self, req: bus.Request) -> DestroyResponse:
-        tenant = await self.api._auth(req)
+        tenant = await self.authenticate(req)
         r = PoolCloseRequest.model_validate_json(req.data)
-        assert self.api.state is not None
-        await self.api.state.pools.delete(_key(tenant, r.name))
-        if self.pools is not None:
-            self.pools.items.pop(_key(tenant, r.name), None)  # a refill in flight sees it gone
+        await self.state.delete_pool(_key(tenant, r.name))
+        self.pools.items.pop(_key(tenant, r.name), None)  # a refill in flight sees it gone
         idle = [info for info, _ in self._idle(tenant, r.name)]
-        return DestroyResponse(destroyed=await self.api.destroy_all(idle))
+        return DestroyResponse(destroyed=await self.destroy_all(idle))
 
     # -- filling -----------------------------------------------------------------------------
 
     async def refill(self) -> None:
         """Bring every pool to its target (in steps), one apiserver per pool at a time."""
-        assert self.pools is not None
         for key, (pool, rev) in list(self.pools.items.items()):
             if key in self._fills:
                 continue
@@ -161,25 +182,24 @@ class Pools:
             if want <= 0:
                 continue
             try:  # the claim: rewriting the record at its revision; a second apiserver loses
-                await self.api.state.pools.update(  # type: ignore[union-attr]
-                    key, pool.model_copy(update={"target": self.target(pool)})
-                    .model_dump_json().encode(), rev,
-                )  # fmt: skip
+                await self.state.cas_pool(
+                    key, pool.model_copy(update={"target": self.target(pool)}), rev
+                )
             except Exception:
                 continue
-            room = self.api.admission.quota_room(pool.tenant, pool.spec)
+            room = self.quota_room(pool.tenant, pool.spec)
             count = min(want, FILL_STEP, want if room is None else room)
             if count > 0:
                 self._fills[key] = asyncio.create_task(self._fill(key, pool, count))
 
     async def _fill(self, key: str, pool: PoolInfo, count: int) -> None:
         try:
-            made = await self.api.admit_and_create(  # only into room free now, in quota
+            made = await self.create(  # only into room free now, in quota
                 pool.tenant, CreateRequest(spec=pool.spec, count=count, wait_s=0),
                 pool=pool.name, in_pool=True,
             )  # fmt: skip
             if self._pool(pool.tenant, pool.name) is None:  # closed meanwhile
-                await self.api.destroy_all(made.sandboxes)
+                await self.destroy_all(made.sandboxes)
         except (errors.CapacityExceeded, errors.QuotaExceeded) as exc:
             log.debug("pool %s of %s not filled now: %s", pool.name, pool.tenant, exc)
         except errors.DsecError as exc:
@@ -203,14 +223,14 @@ class Pools:
 
     async def _reset(self, info: SandboxInfo) -> bool:
         backend = next(
-            (b for v in self.api.views.values() if (b := v.info.backend(info.backend))), None
+            (b for v in self.views.values() if (b := v.info.backend(info.backend))), None
         )
         if backend is None or not backend.capabilities.restore:
             return False
         data = RestoreRequest(sandbox_id=info.id).model_dump_json().encode()
         try:
-            await self.api._edge(info.node, "restore", data, self.api.settings.edge_timeout_s)
-            hit = self.api.sandboxes.items.get(info.id)
+            await self.edges.call(info.node, "restore", data, self.settings.edge_timeout_s)
+            hit = self.registry.items.get(info.id)
             if hit is None:
                 return False
             await self._record(hit[0].model_copy(update={"in_pool": True}), hit[1])
@@ -221,18 +241,15 @@ class Pools:
 
     async def _record(self, info: SandboxInfo, rev: int) -> None:
         """Write the record if still at ``rev`` (else Conflict); mirror it at once."""
-        assert self.api.state is not None
-        new_rev = await self.api.state.cas_sandbox(info, rev)
-        self.api.sandboxes.items[info.id] = (info, new_rev)
-        self.api._indexed(info.id, info)
+        new_rev = await self.state.cas_sandbox(info, rev)
+        self.registry.record([info], {info.id: new_rev})
 
     def _idle(self, tenant: str, name: str) -> list[tuple[SandboxInfo, int]]:
-        items = self.api.sandboxes.items
+        items = self.registry.items
         hits = (items.get(sid) for sid in list(self._members.get(_key(tenant, name), ())))
         return [hit for hit in hits if hit is not None and hit[0].state in LIVE]
 
     def _pool(self, tenant: str, name: str) -> PoolInfo | None:
-        assert self.pools is not None
         return self.pools.get(_key(tenant, name))
 
     def _require(self, tenant: str, name: str) -> PoolInfo:
