@@ -18,7 +18,8 @@ The parts, each importing only those above it:
 ``serving``         :func:`serve`: limits per caller, true ``$SRV.STATS``
 =================== ====================================================================
 
-This module is the bus's interface: everything outside it uses ``bus.<name>``.
+This module is the bus's interface (``from dsec_kernel import bus``, then ``bus.<name>``);
+the parts import each other directly, never through it.
 """
 
 from nats.micro import Request

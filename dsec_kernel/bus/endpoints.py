@@ -122,12 +122,14 @@ class _Declared:
         )
 
 
-def route(endpoint: Endpoint[M] | Handler, authenticate: Authenticate | None) -> Route:
-    """``endpoint`` made ready to answer; ValueError if it needs a tenant and no
-    ``authenticate`` is given."""
+def route(
+    subject: str, endpoint: Endpoint[M] | Handler, authenticate: Authenticate | None
+) -> Route:
+    """``endpoint`` (serving ``subject``) made ready to answer; ValueError if it needs a
+    tenant and no ``authenticate`` is given."""
     if isinstance(endpoint, Endpoint):
         if endpoint.tenant and authenticate is None:
-            raise ValueError(f"{endpoint.handler!r} needs a tenant: serve it with authenticate=")
+            raise ValueError(f"{subject} needs a tenant: serve it with authenticate=")
         return _Declared(endpoint, authenticate)
 
     async def plain(req: Request, caller: str) -> Reply:

@@ -55,9 +55,9 @@ class _Endpoint(MicroEndpoint):
     """nats.micro's endpoint, its requests handed to the service's :class:`InFlight` and its
     stats (read by nats.micro's ``$SRV.STATS``) kept by :meth:`record`."""
 
-    def __init__(self, service: Service, config: EndpointConfig, route: Route, runs: InFlight):
+    def __init__(self, service: Service, config: EndpointConfig, runs: InFlight) -> None:
         super().__init__(service, config)
-        self.route = route
+        self.route: Route = config.handler  # type: ignore[assignment]
         self._runs = runs
 
     async def _handle_request(self, msg: Msg) -> None:
@@ -207,7 +207,7 @@ async def serve(
     Returns the service and a ``drain`` coroutine function that stops taking requests and
     waits for those in flight.
     """
-    routes = {subject: route(e, authenticate) for subject, e in endpoints.items()}
+    routes = {subject: route(subject, e, authenticate) for subject, e in endpoints.items()}
     svc = await add_service(
         nc,
         ServiceConfig(name=name, version=version, description=description),
@@ -220,7 +220,7 @@ async def serve(
             queue_group=queue_group,
             handler=work,  # type: ignore[arg-type]  # (called by InFlight, not nats.micro)
         )
-        endpoint = _Endpoint(svc, config, work, runs)
+        endpoint = _Endpoint(svc, config, runs)
         await endpoint._start()  # what Service.add_endpoint does, with the bus's endpoint
         svc._endpoints.append(endpoint)
     await nc.flush()  # subscribed at the server on return: a request sent now finds us
