@@ -91,7 +91,7 @@ class Edge:
         self._started_backends: list[Backend] = []
         self._reporting: set[asyncio.Task[None]] = set()  # lost sandboxes being reported
 
-    # -- lifecycle ---------------------------------------------------------------------------
+    # -- start and stop ----------------------------------------------------------------------
 
     async def start(self) -> None:
         s = self.settings
