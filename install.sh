@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Install DSec on a fresh Debian 12 machine: the system packages its plugins need, then the
-# kernel and every in-repo plugin (editable, with the test tools). Idempotent; a second run
-# with nothing changed takes about a second. PYTHON picks the interpreter (default python3).
+# Install DSec on a fresh Debian 12 machine, as a node runs it: the system packages its plugins
+# need, then the kernel with its server extra (nats-server, bcrypt, gRPC) and every in-repo
+# plugin (editable, with the test tools). A trainer needs only `pip install dsec-kernel`.
+# Idempotent; a second run with nothing changed takes about a second. PYTHON picks the
+# interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -21,15 +23,19 @@ fi
 
 plugins=(plugins/*/)
 stamp=.install-stamp
-want=$(cat install.sh pyproject.toml "${plugins[@]/%/pyproject.toml}" | sha256sum | cut -d' ' -f1)
+# what was installed, and into which interpreter's environment
+want=$( { cat install.sh pyproject.toml "${plugins[@]/%/pyproject.toml}"; "$PY" -c 'import sys
+print(sys.prefix)'; } | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
    && "$PY" -c "import sys, dsec_kernel.cli, dsec_backend_fncall.backend, pytest
-sys.exit(not dsec_kernel.__file__.startswith('$PWD/'))" 2>/dev/null \
+from dsec_kernel.cli.extras import server_extra_hint
+sys.exit(not dsec_kernel.__file__.startswith('$PWD/') or server_extra_hint('up') is not None)" \
+     2>/dev/null \
    && command -v dsec >/dev/null; then
   echo "install: up to date"
   exit 0
 fi
-args=(-e ".[test,fast]")
+args=(-e ".[server,test,fast]")
 for p in "${plugins[@]}"; do args+=(-e "$p"); done
 echo "install: pip install ${args[*]}"
 # one line per step pip takes (a fresh venv takes ~40 s), its whole output kept for a failure

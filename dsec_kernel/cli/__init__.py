@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec_kernel.cli import exitcodes
+from dsec_kernel.cli.extras import server_extra_hint
 from dsec_kernel.cli.output import json_line, plain
 from dsec_kernel.cli.parser import UsageError, parse, parser
 from dsec_kernel.contract import errors
@@ -324,6 +325,10 @@ def _main(argv: list[str]) -> int:
     except UsageError as exc:
         print(f"dsec: {exc}", file=sys.stderr)
         return exitcodes.USAGE
+    hint = server_extra_hint(args.cmd)
+    if hint is not None:
+        print(f"dsec: {hint}", file=sys.stderr)
+        return exitcodes.PLUGIN
     service = args.cmd in ("up", "cluster-up", "apiserver", "edge")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO if service else logging.WARNING,

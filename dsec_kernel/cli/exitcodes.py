@@ -14,7 +14,7 @@ __all__ = ["TIMED_OUT", "USAGE", "for_error", "for_result"]
 
 USAGE = 2
 TIMED_OUT = 124
-#: a plugin that is missing or broken (not a wire error)
+#: a plugin, or the kernel's ``server`` extra, that is missing or broken (not a wire error)
 PLUGIN = 13
 
 
