@@ -37,7 +37,8 @@ from dsec_kernel.contract.wire.sandbox import LayerRef
 from dsec_kernel.contract.wire.snapshot import LayerInfo
 
 if TYPE_CHECKING:
-    from dsec_kernel.sdk.client import AsyncClient, Sandbox
+    from dsec_kernel.sdk.client import AsyncClient
+    from dsec_kernel.sdk.sandbox import Sandbox
 
 __all__ = ["EPOCH", "TOOLKITS", "build_toolkit", "check_requirements"]
 
