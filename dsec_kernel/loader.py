@@ -5,8 +5,10 @@ Five entry-point groups: ``dsec.backends``, ``dsec.storage``, ``dsec.placement``
 ``dsec.guards`` and ``dsec.recipes`` (the layers ``dsec layer build`` makes). A driver named in
 configuration is loaded with :func:`load_driver` (its ``Config`` validated) or
 :func:`load_drivers`; a missing, broken or misconfigured one raises :class:`PluginLoadError`
-naming it and the reason, at start-up. Every loaded plugin object is registered with pluggy
-(:func:`load_hooks`), so any of them may implement hooks.
+naming it and the reason, at start-up. Guards are registered with pluggy by
+:func:`load_hooks`, as are the objects it is given (an edge's backends, the apiserver's layer
+store), so those may implement hooks; a placement policy reaches the placement hooks through
+what it is given (:class:`~dsec_kernel.contract.placement.PlacementHooks`) and implements none.
 """
 
 from __future__ import annotations
