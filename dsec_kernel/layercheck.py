@@ -18,18 +18,19 @@ from dsec_kernel.loader import discover, open_store
 if TYPE_CHECKING:
     from dsec_kernel.contract.hooks import Hooks
     from dsec_kernel.contract.store import LayerStore
-    from dsec_kernel.contract.wire.sandbox import Env, LayerRef
+    from dsec_kernel.contract.wire.sandbox import LayerRef, SandboxSpec
 
 __all__ = ["check_layers", "layer_store_plugins"]
 
 
-async def check_layers(hooks: Hooks, tenant: str, env: Env | None) -> None:
-    """Raise NotFound naming every layer of ``env`` that ``tenant`` cannot use (each in its
-    store's words), if any plugin says so; return if all were found, or not answered for.
-    Other errors of a plugin are raised as they are."""
-    if env is None:
+async def check_layers(hooks: Hooks, tenant: str, spec: SandboxSpec) -> None:
+    """Raise NotFound naming every layer of ``spec``'s env that ``tenant`` cannot use (each
+    in its store's words), if any plugin says so; return if all were found, or not answered
+    for. A spec that starts from a snapshot is made of the snapshot's layers, not its env's:
+    nothing to check. Other errors of a plugin are raised as they are."""
+    if spec.env is None or spec.snapshot is not None:
         return
-    refs = list(dict.fromkeys(env.refs()))  # a toolkit named twice is looked up once
+    refs = list(dict.fromkeys(spec.env.refs()))  # a toolkit named twice is looked up once
     missing = [m for m in await asyncio.gather(*(_missing(hooks, tenant, r) for r in refs)) if m]
     if len(missing) == 1:
         raise NotFound(missing[0])

@@ -106,8 +106,9 @@ def dsec_placement_score(node: NodeView, request: PlacementRequest) -> float | N
 
 @hookspec(firstresult=True)
 def dsec_layer_resolve(tenant: str, ref: LayerRef) -> Layer | Awaitable[Layer] | None:
-    """Called on the apiserver for each layer of a create's or a warm pool's env, before
-    any of its sandboxes is placed (:func:`dsec_kernel.layercheck.check_layers`).
+    """Called on the apiserver for each layer of a create's or a warm pool's env (unless
+    its sandboxes start from a snapshot), before any of them is placed
+    (:func:`dsec_kernel.layercheck.check_layers`).
 
     :param tenant: who asks; the layer as it sees the store (a public layer first, then its
         own).

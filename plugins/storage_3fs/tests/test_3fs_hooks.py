@@ -8,10 +8,14 @@ import pytest
 from dsec_storage_3fs import ThreeFsStore
 
 from dsec_kernel.contract.errors import NotFound
-from dsec_kernel.contract.wire import Env
+from dsec_kernel.contract.wire import Env, SandboxSpec
 from dsec_kernel.contract.wire.sandbox import LayerRef
 from dsec_kernel.layercheck import check_layers, layer_store_plugins
 from dsec_kernel.loader import PluginLoadError, load_hooks
+
+
+def spec(**env: object) -> SandboxSpec:
+    return SandboxSpec(backend="container", env=Env(**env))
 
 
 @pytest.fixture
@@ -33,19 +37,19 @@ async def test_the_store_answers_for_the_layers_the_tenant_may_use(store, tree):
     hooks = load_hooks(plugins=[store], guards=[])
     task = LayerRef(name="task", version="1", kind="workspace")
     assert await hooks.layer_resolve("alice", task) == mine
-    await check_layers(hooks, "alice", Env(base="os:1", workspace="task:1"))
+    await check_layers(hooks, "alice", spec(base="os:1", workspace="task:1"))
 
     with pytest.raises(NotFound) as info:  # bob may not use alice's task:1
-        await check_layers(hooks, "bob", Env(base="os:1", workspace="task:1"))
+        await check_layers(hooks, "bob", spec(base="os:1", workspace="task:1"))
     assert info.value.message.startswith("layer task:1 is not in the layer store")
     assert "alice" not in info.value.message
     with pytest.raises(NotFound) as info:  # every missing layer named, not the first only
-        await check_layers(hooks, "bob", Env(base="os:2", workspace="task:1", toolkits=["t:1"]))
+        await check_layers(hooks, "bob", spec(base="os:2", workspace="task:1", toolkits=["t:1"]))
     said = info.value.message
     assert said.startswith("3 layers of the env are missing: (1) layer t:1 ")
     assert "(2) layer task:1 " in said and "(3) layer os:2 " in said and "os has versions 1" in said
     with pytest.raises(NotFound, match="os:1 is a base layer, not a toolkit layer"):
-        await check_layers(hooks, "alice", Env(base="os:1", toolkits=["os:1"]))
+        await check_layers(hooks, "alice", spec(base="os:1", toolkits=["os:1"]))
 
 
 def test_the_apiserver_opens_the_store_its_nodes_use(store, tree, tmp_path, monkeypatch):
