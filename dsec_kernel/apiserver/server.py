@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 
 class ApiServer:
     """``await start()`` to serve; ``await stop()`` drains requests in flight (and undoes
-    what a start that failed half way did)."""
+    what a start that failed half way did). Once started, :attr:`state` and
+    :attr:`admission` may be read (tests do)."""
 
     def __init__(
         self,
