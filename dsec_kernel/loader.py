@@ -27,6 +27,8 @@ from stevedore import ExtensionManager, NamedExtensionManager
 from dsec_kernel.contract.hooks import Hooks
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from dsec_kernel.contract.store import LayerStore
 
 __all__ = [
@@ -247,15 +249,20 @@ def preferred(group: str, among: Iterable[str] | None = None) -> str:
     return ranked[0][1]
 
 
-def open_store(name: str | None = None, config: dict | None = None) -> LayerStore:
-    """The configured layer store (``DSEC_STORAGE``, ``DSEC_STORAGE_CONFIG__*``), or the one
-    given. A missing, unnamed or broken driver, or a bad configuration, raises
+def open_store(
+    name: str | None = None, config: dict | None = None, state_dir: Path | None = None
+) -> LayerStore:
+    """The configured layer store (``DSEC_STORAGE``, ``DSEC_STORAGE_CONFIG__*``; unnamed: the
+    :func:`preferred`), or the one given; for a node's edge whose state is in ``state_dir``,
+    with the store's :meth:`~dsec_kernel.contract.store.LayerStore.node_defaults` under the
+    configuration. A missing or broken driver, or a bad configuration, raises
     PluginLoadError."""
     from dsec_kernel.config import StorageSettings
 
     settings = StorageSettings()
-    return load_driver(
-        "dsec.storage",
-        name or settings.storage,
-        config if config is not None else settings.storage_config,
-    )
+    name = name or settings.storage or preferred("dsec.storage")
+    cls = load_drivers("dsec.storage", [name])[name].obj
+    given = dict(config if config is not None else settings.storage_config)
+    if state_dir is not None:
+        given = {**cls.node_defaults(state_dir), **given}
+    return cls(configured("storage", name, cls, given))

@@ -14,6 +14,7 @@ from dsec_kernel.loader import (
     load_driver,
     load_drivers,
     load_hooks,
+    open_store,
     preferred,
 )
 
@@ -154,3 +155,11 @@ def test_a_guard_class_gets_its_validated_config(tmp_path, monkeypatch):
         load_hooks(guards=["cfg"], guard_config={"cfg": {"limit": "many"}})
     with pytest.raises(PluginLoadError, match="not loaded"):
         load_hooks(guards=["cfg"], guard_config={"other": {}})
+
+
+def test_a_nodes_store_takes_its_node_defaults_under_the_operators(tmp_path):
+    root = {"root": str(tmp_path / "layers")}
+    store = open_store(None, root, state_dir=tmp_path / "edge")
+    assert store.cache_dir == tmp_path / "edge" / "layer-cache"  # the store's node default
+    given = {**root, "cache_dir": str(tmp_path / "mine")}
+    assert open_store(None, given, state_dir=tmp_path / "edge").cache_dir == tmp_path / "mine"

@@ -35,7 +35,7 @@ import hashlib
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -119,6 +119,12 @@ class LayerStore(abc.ABC):
 
     def __init__(self, config: BaseModel | None = None) -> None:
         self.config = config if config is not None else self.Config()
+
+    @classmethod
+    def node_defaults(cls, state_dir: Path) -> dict[str, Any]:
+        """Configuration a node's edge gives the store where the operator gave none
+        (e.g. where this node's mounts live, under the edge's ``state_dir``)."""
+        return {}
 
     # -- catalog -----------------------------------------------------------------------------
 

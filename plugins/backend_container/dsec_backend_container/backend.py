@@ -52,7 +52,6 @@ from dsec_backend_container.snapshots import Snapshots
 from dsec_backend_container.upperfs import UpperFs
 from dsec_backend_container.userns import UidRanges
 from dsec_kernel import bus
-from dsec_kernel.config import StorageSettings
 from dsec_kernel.contract import errors
 from dsec_kernel.contract.backend import (
     Backend,
@@ -275,16 +274,9 @@ class ContainerBackend(Backend):
         self.node = ctx.node
         self.state_dir = ctx.state_dir
         self._report_lost = ctx.lost
-        settings = StorageSettings()
-        storage = self.config.storage or settings.storage
-        store_config = dict(
-            self.config.storage_config
-            if self.config.storage_config is not None
-            else settings.storage_config
+        self.store: LayerStore = open_store(
+            self.config.storage, self.config.storage_config, state_dir=ctx.state_dir
         )
-        if storage == "3fs":  # its mounts are this node's: keep them with this edge's state
-            store_config.setdefault("cache_dir", str(ctx.state_dir / "layer-cache"))
-        self.store: LayerStore = open_store(storage, store_config)
         _raise_open_files_limit()  # one pidfd per sandbox
         self.root = self.config.upper_root or ctx.state_dir / "sandboxes"
         size = int(self.config.upper_fs_gb * (1 << 30))

@@ -64,6 +64,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, unquote
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -148,6 +149,11 @@ class ThreeFsStore(LayerStore):
 
     name = "3fs"
     Config = ThreeFsConfig
+
+    @classmethod
+    def node_defaults(cls, state_dir: Path) -> dict[str, Any]:
+        """An edge's mounts are its node's: kept with the edge's own state."""
+        return {"cache_dir": str(state_dir / "layer-cache")}
 
     def __init__(self, config: ThreeFsConfig | None = None) -> None:
         super().__init__(config)
