@@ -67,8 +67,14 @@ async def test_an_rl_step_loop_through_the_sdk(local_cluster, busybox_env):
         assert layer.name == "solution"
         await sb.reset()
         assert (await sb.exec("ls /work 2>&1; echo $?")).stdout.endswith(b"1\n")
-        with pytest.raises(errors.NotFound):
-            await c.create(count=1, backend="container", env=dsec.Env(base="nope:1"))
+        # the apiserver checks every layer before placing: one error naming each missing one
+        missing = dsec.Env(base="nope:1", workspace="solution:1", toolkits=["nada:2"])
+        with pytest.raises(errors.NotFound) as gone:
+            await c.create(count=1, backend="container", env=missing)
+        assert "nope:1" in str(gone.value) and "nada:2" in str(gone.value), gone.value
+        assert "solution:1" not in str(gone.value)
+        with pytest.raises(errors.NotFound, match="nope:1"):
+            await c.pool(name="missing", size=1, backend="container", env=missing)
         await c.destroy([*sbs, *forks, user])
         assert await c.list() == []
 

@@ -95,6 +95,7 @@ class Creating:
             )
             failed = [CreateFailure(count=short, error=Error.of(why))] if short > 0 else []
             return CreateResponse(sandboxes=done, failed=failed)
+        await self.specs.check_layers(tenant, r.spec)
         return await self.admit_and_create(tenant, r)
 
     async def admit_and_create(

@@ -107,6 +107,7 @@ class Pools:
         r = PoolOpenRequest.model_validate_json(req.data)
         r.spec = self.specs.with_backend(r.spec)
         self.specs.check(tenant, r.spec)
+        await self.specs.check_layers(tenant, r.spec)
         old = self._pool(tenant, r.name)
         info = PoolInfo(
             name=r.name, tenant=tenant, spec=r.spec, size=r.size,

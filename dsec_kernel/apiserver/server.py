@@ -84,7 +84,7 @@ class ApiServer:
         admission = self.admission = Admission(
             settings, state, views, registry, leases.job, edges.power
         )
-        specs = Specs(settings, nodes, leases.job)
+        specs = Specs(settings, nodes, leases.job, self.hooks)
         creating = Creating(
             settings, state, registry, nodes, edges, auth.tenant, specs, admission, self.policy,
             leases.job,

@@ -1,5 +1,5 @@
 """A sandbox spec checked before it reaches a node: its backend (the cluster's default when
-it names none), its job, and what the backend must be able to do for it."""
+it names none), its job, what the backend must be able to do for it, and its layers."""
 
 from __future__ import annotations
 
@@ -7,18 +7,27 @@ from dsec_kernel.apiserver.leases import JobLookup
 from dsec_kernel.apiserver.nodes import Nodes
 from dsec_kernel.config import ApiSettings
 from dsec_kernel.contract import errors
+from dsec_kernel.contract.hooks import Hooks
 from dsec_kernel.contract.wire import SandboxSpec
+from dsec_kernel.layercheck import check_layers
 
 __all__ = ["Specs"]
 
 
 class Specs:
-    """Checks of a spec against the nodes (``nodes``) and the tenant's jobs (``job``)."""
+    """Checks of a spec against the nodes (``nodes``), the tenant's jobs (``job``) and the
+    layer stores the plugins answer for (``hooks``)."""
 
-    def __init__(self, settings: ApiSettings, nodes: Nodes, job: JobLookup) -> None:
+    def __init__(self, settings: ApiSettings, nodes: Nodes, job: JobLookup, hooks: Hooks) -> None:
         self.settings = settings
         self.nodes = nodes
         self.job = job
+        self.hooks = hooks
+
+    async def check_layers(self, tenant: str, spec: SandboxSpec) -> None:
+        """NotFound naming every layer of ``spec`` that ``tenant`` cannot use, before any
+        placement (:func:`~dsec_kernel.layercheck.check_layers`)."""
+        await check_layers(self.hooks, tenant, spec)
 
     def with_backend(self, spec: SandboxSpec) -> SandboxSpec:
         """``spec`` with the cluster's default backend if it names none (InvalidArgument when

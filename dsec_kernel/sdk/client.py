@@ -408,8 +408,8 @@ class AsyncClient:
     async def pool(
         self,
         *,
-        backend: str,
         size: int,
+        backend: str | None = None,
         env: Env | None = None,
         max_size: int | None = None,
         name: str | None = None,
@@ -419,15 +419,16 @@ class AsyncClient:
         idle_ttl: float | None = None,
     ) -> Pool:
         """A warm pool of ``size`` ready sandboxes of this spec, filled in the background
-        and grown by demand up to ``max_size`` (default 4 x size). ``name`` defaults to one
-        derived from the spec, so the same spec finds the same pool again."""
+        and grown by demand up to ``max_size`` (default 4 x size), on ``backend`` (None: the
+        cluster's default). ``name`` defaults to one derived from the spec, so the same spec
+        finds the same pool again."""
         spec = build_request(
             SandboxSpec, backend=backend, env=env, limits=limits or Limits(),
             labels=labels or {}, network=network, idle_ttl_s=idle_ttl,
         )  # fmt: skip
         if name is None:
             digest = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:12]
-            name = f"{backend}-{digest}"
+            name = f"{backend or 'default'}-{digest}"
         req = build_request(PoolOpenRequest, name=name, spec=spec, size=size, max_size=max_size)
         return Pool(self, await self._call("pool.open", req, PoolInfo))
 
