@@ -85,7 +85,7 @@ async def test_bad_pool_requests(cluster):
             await c.pool(backend="container", env=BUSYBOX, size=5, max_size=2)
         p = await c.pool(backend="container", env=BUSYBOX, size=0, name="p")
         with pytest.raises(errors.Conflict, match="another spec"):
-            await c.pool(backend="container", env=dsec.Env(base="busybox:2"), size=0, name="p")
+            await c.pool(backend="container", env=BUSYBOX, size=0, name="p", network="egress")
         (stranger,) = await c.create(backend="container", env=BUSYBOX)
         with pytest.raises(errors.InvalidArgument, match="not from pool"):
             await p.release(stranger)
