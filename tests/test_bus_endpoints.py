@@ -240,3 +240,31 @@ async def test_ping_and_info_still_answer(nc, serve):
     info = json.loads((await nc.request(f"$SRV.INFO.{name}", b"", timeout=2)).data)
     assert ping["name"] == name and ping["type"] == "io.nats.micro.v1.ping_response"
     assert [e["subject"] for e in info["endpoints"]] == [at["greet"]]
+
+
+async def test_a_call_made_while_handling_a_request_waits_less_than_its_caller(nc, serve):
+    """One deadline along the path: the inner service hears a shorter wait than the outer
+    one did (by deadline.MARGIN_S), and gives up first."""
+    heard: dict[str, float | None] = {}
+
+    async def inner(r: bytes, call: bus.Call) -> Greeting:
+        heard["inner"] = call.time_left()
+        await asyncio.sleep(4)  # longer than anyone waits
+        return Greeting(text="late")
+
+    _, inner_subjects = await serve({"slow": bus.Endpoint(inner)})
+
+    async def outer(r: bytes, call: bus.Call) -> Greeting:
+        heard["outer"] = call.time_left()
+        # asks for 60 s, yet waits what its own caller left it, less the margin
+        return await bus.request(nc, inner_subjects["slow"], b"", Greeting, timeout=60)
+
+    _, subjects = await serve({"ask": bus.Endpoint(outer)})
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(errors.DeadlineExceeded) as exc:
+        await bus.request(nc, subjects["ask"], b"", Greeting, timeout=3)
+    took = asyncio.get_running_loop().time() - started
+    assert heard["outer"] is not None and 2.5 < heard["outer"] <= 3.0
+    assert heard["inner"] is not None and heard["inner"] <= heard["outer"] - 0.9
+    # the outer service's answer (its inner call timed out) reached this caller in time
+    assert "no reply on test." in str(exc.value) and took < 3.0, (took, exc.value)

@@ -2,7 +2,9 @@
 carries.
 
 Every request says how long its caller waits (the ``Dsec-Timeout`` header), and is sent
-again if the service goes silent (:mod:`dsec_kernel.bus.replies`).
+again if the service goes silent (:mod:`dsec_kernel.bus.replies`). A request made while
+handling another waits less than that one's caller does (:func:`dsec_kernel.deadline.inner`):
+the innermost call along a path gives up first.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from nats.aio.client import Client as NATS
 from nats.micro.request import ERROR_CODE_HEADER
 from pydantic import BaseModel, ValidationError
 
+from dsec_kernel import deadline
 from dsec_kernel.bus import replies
 from dsec_kernel.bus.error_replies import raise_error_reply, validation_message
 from dsec_kernel.contract import errors
@@ -59,6 +62,7 @@ async def request_raw(
     headers: dict[str, str] | None = None,
 ) -> bytes:
     """Like :func:`request`, returning the reply body unparsed (errors still raised)."""
+    timeout = deadline.inner(timeout)
     headers = {**(headers or {}), replies.TIMEOUT_HEADER: f"{timeout:.3f}"}
     try:
         msg = await replies.request(nc, subject, data, timeout=timeout, headers=headers)
