@@ -138,7 +138,9 @@ def parser() -> argparse.ArgumentParser:
     s = command("apiserver", "run an apiserver against an existing NATS")
     s.add_argument("--nats-url", help=url_help)
     s.add_argument("--nats-login-file", type=Path, help=login_help)
-    s.add_argument("--placement", help="placement policy (default least-loaded)")
+    s.add_argument(
+        "--placement", help="placement policy (default: the installed one its plugin prefers)"
+    )
     s.add_argument(
         "--node-timeout", type=_positive, dest="node_timeout_s",
         help="seconds without a heartbeat before a node is down (default 5)",

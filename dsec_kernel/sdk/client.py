@@ -33,6 +33,7 @@ from dsec_kernel.contract.wire import (
     HistoryResponse,
     JobRenewRequest,
     LayerInfo,
+    LayerRef,
     Limits,
     ListRequest,
     ListResponse,
@@ -442,10 +443,12 @@ class AsyncClient:
         req = build_request(JobRenewRequest, name=name, priority=priority, lease_s=lease_s)
         return Job(self, req)
 
-    async def prestage(self, layers: Sequence[str], *, pool: str | None = None) -> PrestageResponse:
-        """Have the nodes of ``pool`` (all, if None) mount these layers (``name:version``)
-        and read their metadata now — before a burst sends sandboxes there. Placement then
-        prefers them for sandboxes on those layers."""
+    async def prestage(
+        self, layers: Sequence[LayerRef | str], *, pool: str | None = None
+    ) -> PrestageResponse:
+        """Have the nodes of ``pool`` (all, if None) mount these layers (``LayerRef`` s, or
+        ``name:version``) and read their metadata now — before a burst sends sandboxes
+        there. Placement then prefers them for sandboxes on those layers."""
         req = build_request(PrestageRequest, layers=list(layers), pool=pool)
         return await self._call("prestage", req, PrestageResponse, self.timeout * 4)
 
