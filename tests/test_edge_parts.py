@@ -5,12 +5,14 @@ from typing import ClassVar
 
 import pytest
 
+from dsec_kernel import bus
 from dsec_kernel.contract import errors
 from dsec_kernel.contract.backend import Backend, Capabilities, ExecCall, SandboxRef, SandboxStatus
 from dsec_kernel.contract.wire import (
     EdgeSandbox,
     ExecRequest,
     PauseReport,
+    PauseRequest,
     SandboxInfo,
     SandboxSpec,
 )
@@ -110,6 +112,18 @@ async def test_a_pause_is_counted_in_the_node_record_until_the_resume():
         {"freezer": 1},
     )
     assert state.written == [(SID, "paused", "requested"), (SID, "ready", None)]
+
+
+async def test_a_pause_batch_answers_each_sandbox():
+    """A handler takes its request as the bus parsed it: a part answers without NATS."""
+    table = SandboxTable("n")
+    table.add(SandboxRecord(_info(), Freezer()))
+    power = Power(table, State())  # type: ignore[arg-type]
+    gone = "sb-00000000000000e3"
+    call = bus.Call(None, "")  # type: ignore[arg-type]  # (the pause handler reads none of it)
+    out = await power.pause(PauseRequest(ids=[SID, gone]), call)
+    assert [d.sandbox_id for d in out.done] == [SID]
+    assert [(f.id, f.error.code) for f in out.failed] == [(gone, errors.NotFound.code)]
 
 
 async def test_an_idle_sandbox_is_paused_and_work_wakes_it():

@@ -50,8 +50,7 @@ class Commands:
         self.hooks = hooks
         self.running = 0
 
-    async def exec(self, req: bus.Request) -> ExecResponse:
-        r = ExecRequest.model_validate_json(req.data)
+    async def exec(self, r: ExecRequest, call: bus.Call) -> ExecResponse:
         # what the answer can carry is shared out before the commands run, not after: 150
         # commands printing 8 MiB each were held whole (2.9 GB) to send back 12 MB
         share = MAX_RESPONSE_OUTPUT // (2 * len(r.sandbox_ids))
@@ -105,8 +104,7 @@ class Commands:
             await self._report(sandbox_id, result)
         return result
 
-    async def fncall(self, req: bus.Request) -> ExecResult:
-        r = FncallRequest.model_validate_json(req.data)
+    async def fncall(self, r: FncallRequest, call: bus.Call) -> ExecResult:
         if r.sandbox_id:
             backend = self.table.require(r.sandbox_id).backend
         else:

@@ -51,27 +51,22 @@ class Files:
         self.history = history
         self.layers = layers
 
-    async def read_file(self, req: bus.Request) -> ReadFileResponse:
-        r = ReadFileRequest.model_validate_json(req.data)
+    async def read_file(self, r: ReadFileRequest, call: bus.Call) -> ReadFileResponse:
         return await self.table.require(r.sandbox_id).backend.read_file(r)
 
-    async def write_file(self, req: bus.Request) -> WriteFileResponse:
-        r = WriteFileRequest.model_validate_json(req.data)
+    async def write_file(self, r: WriteFileRequest, call: bus.Call) -> WriteFileResponse:
         return await self.table.require(r.sandbox_id).backend.write_file(r)
 
-    async def fs_diff(self, req: bus.Request) -> FsDiff:
-        r = FsDiffRequest.model_validate_json(req.data)
+    async def fs_diff(self, r: FsDiffRequest, call: bus.Call) -> FsDiff:
         return await self.table.require(r.sandbox_id).backend.fs_diff(r)
 
-    async def snapshot(self, req: bus.Request) -> SnapshotInfo:
-        r = SnapshotRequest.model_validate_json(req.data)
+    async def snapshot(self, r: SnapshotRequest, call: bus.Call) -> SnapshotInfo:
         rec = self.table.require(r.sandbox_id)
         snap = await rec.backend.snapshot(r)
         await self.history.mark(rec.info, "snapshot", snap.id)
         return snap
 
-    async def restore(self, req: bus.Request) -> SandboxInfo:
-        r = RestoreRequest.model_validate_json(req.data)
+    async def restore(self, r: RestoreRequest, call: bus.Call) -> SandboxInfo:
         rec = self.table.require(r.sandbox_id)
         await self.awake(rec)
         info = rec.info
@@ -79,15 +74,13 @@ class Files:
         await self.history.mark(info, "restore", r.snapshot_id)
         return info
 
-    async def publish(self, req: bus.Request) -> LayerInfo:
-        r = PublishRequest.model_validate_json(req.data)
+    async def publish(self, r: PublishRequest, call: bus.Call) -> LayerInfo:
         backend = next((b for b in self.backends.values() if b.capabilities.snapshot), None)
         if backend is None:
             raise errors.Unsupported(f"no backend on {self.node} keeps snapshots")
         return await backend.publish(r)
 
-    async def prestage(self, req: bus.Request) -> PrestageResponse:
-        r = PrestageRequest.model_validate_json(req.data)
+    async def prestage(self, r: PrestageRequest, call: bus.Call) -> PrestageResponse:
         staged: list[str] = []
         for backend in self.backends.values():
             staged += await backend.prestage(list(r.layers), r.tenant)

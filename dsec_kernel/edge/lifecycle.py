@@ -60,8 +60,7 @@ class Lifecycle:
         self._creating: set[str] = set()
         self._doomed: set[str] = set()
 
-    async def create(self, req: bus.Request) -> EdgeCreateResponse:
-        r = EdgeCreateRequest.model_validate_json(req.data)
+    async def create(self, r: EdgeCreateRequest, call: bus.Call) -> EdgeCreateResponse:
         results = await asyncio.gather(*(self._create_one(sb) for sb in r.sandboxes))
         out = EdgeCreateResponse(completed_at=time.time())
         for sb, res in zip(r.sandboxes, results, strict=True):
@@ -110,8 +109,7 @@ class Lifecycle:
         await self.hooks.sandbox_created(info)
         return info
 
-    async def destroy(self, req: bus.Request) -> DestroyResponse:
-        r = DestroyRequest.model_validate_json(req.data)
+    async def destroy(self, r: DestroyRequest, call: bus.Call) -> DestroyResponse:
         out = DestroyResponse()
         found = [(i, self.table.get(i)) for i in r.ids]
         await asyncio.gather(

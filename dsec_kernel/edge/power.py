@@ -37,15 +37,13 @@ class Power:
         self.table = table
         self.state = state
 
-    async def pause(self, req: bus.Request) -> PauseResponse:
-        r = PauseRequest.model_validate_json(req.data)
+    async def pause(self, r: PauseRequest, call: bus.Call) -> PauseResponse:
         results = await asyncio.gather(
             *(self.pause_one(i, r.reason) for i in r.ids), return_exceptions=True
         )
         return _power_response(r.ids, results)
 
-    async def resume(self, req: bus.Request) -> PauseResponse:
-        r = ResumeRequest.model_validate_json(req.data)
+    async def resume(self, r: ResumeRequest, call: bus.Call) -> PauseResponse:
         results = await asyncio.gather(
             *(self.resume_one(i, r.reason) for i in r.ids), return_exceptions=True
         )

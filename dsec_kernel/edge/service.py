@@ -26,7 +26,22 @@ from dsec_kernel import __version__, bus
 from dsec_kernel.config import EdgeSettings
 from dsec_kernel.contract.backend import Backend, BackendContext
 from dsec_kernel.contract.hooks import Hooks
-from dsec_kernel.contract.wire import NodeInfo
+from dsec_kernel.contract.wire import (
+    DestroyRequest,
+    EdgeCreateRequest,
+    ExecRequest,
+    FncallRequest,
+    FsDiffRequest,
+    NodeInfo,
+    PauseRequest,
+    PrestageRequest,
+    PublishRequest,
+    ReadFileRequest,
+    RestoreRequest,
+    ResumeRequest,
+    SnapshotRequest,
+    WriteFileRequest,
+)
 from dsec_kernel.edge.commands import Commands
 from dsec_kernel.edge.files import Files
 from dsec_kernel.edge.heartbeat import Heartbeat
@@ -114,20 +129,21 @@ class Edge:
         await self.reconcile(full=True)
         self.heartbeat = Heartbeat(self._connect, s.heartbeat_s, self._node_info())
         await asyncio.to_thread(self.heartbeat.start)
-        ops = {
-            "create": self.lifecycle.create,
-            "destroy": self.lifecycle.destroy,
-            "exec": self.commands.exec,
-            "fncall": self.commands.fncall,
-            "file.read": files.read_file,
-            "file.write": files.write_file,
-            "snapshot": files.snapshot,
-            "restore": files.restore,
-            "fs_diff": files.fs_diff,
-            "publish": files.publish,
-            "pause": self.power.pause,
-            "resume": self.power.resume,
-            "prestage": files.prestage,
+        # the bus parses each request into its model and maps what a handler raises
+        endpoints = {
+            "create": bus.Endpoint(self.lifecycle.create, request=EdgeCreateRequest),
+            "destroy": bus.Endpoint(self.lifecycle.destroy, request=DestroyRequest),
+            "exec": bus.Endpoint(self.commands.exec, request=ExecRequest),
+            "fncall": bus.Endpoint(self.commands.fncall, request=FncallRequest),
+            "file.read": bus.Endpoint(files.read_file, request=ReadFileRequest),
+            "file.write": bus.Endpoint(files.write_file, request=WriteFileRequest),
+            "snapshot": bus.Endpoint(files.snapshot, request=SnapshotRequest),
+            "restore": bus.Endpoint(files.restore, request=RestoreRequest),
+            "fs_diff": bus.Endpoint(files.fs_diff, request=FsDiffRequest),
+            "publish": bus.Endpoint(files.publish, request=PublishRequest),
+            "pause": bus.Endpoint(self.power.pause, request=PauseRequest),
+            "resume": bus.Endpoint(self.power.resume, request=ResumeRequest),
+            "prestage": bus.Endpoint(files.prestage, request=PrestageRequest),
         }
         _, self._drain = await bus.serve(
             self.nc,
@@ -135,7 +151,7 @@ class Edge:
             version=__version__,
             description=f"DSec edge of node {node}",
             queue_group="edge",
-            endpoints={bus.edge_subject(node, op): h for op, h in ops.items()},
+            endpoints={bus.edge_subject(node, op): e for op, e in endpoints.items()},
         )
         self._tasks = [
             asyncio.create_task(self._every(s.heartbeat_s, self._heartbeat)),
