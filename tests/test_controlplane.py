@@ -247,6 +247,23 @@ async def test_bad_input_gets_typed_errors_and_changes_nothing(platform):
     await c.close()
 
 
+async def test_the_apiservers_stats_count_its_typed_errors(platform):
+    """An endpoint's error reply (here the apiserver's own Unsupported) is counted in
+    ``$SRV.STATS.dsec-apiserver``, which the bus keeps for every declared endpoint."""
+    c = await platform.tenant("alice")
+    with pytest.raises(errors.Unsupported, match="no node serves 'python' fncalls"):
+        await c.fncall("print(1)")
+    await c.list()
+    nc = await platform._nc("stats")
+    reply = json.loads((await nc.request("$SRV.STATS.dsec-apiserver", b"", timeout=2)).data)
+    by_subject = {e["subject"]: e for e in reply["endpoints"]}
+    fncall, listed = by_subject[bus.api_subject("fncall")], by_subject[bus.api_subject("list")]
+    assert (fncall["num_requests"], fncall["num_errors"]) == (1, 1), fncall
+    assert fncall["last_error"] == "unsupported:no node serves 'python' fncalls", fncall
+    assert (listed["num_requests"], listed["num_errors"]) == (1, 0), listed
+    await c.close()
+
+
 class Flaky(Backend):
     """Fails the n-th create with a non-retryable error."""
 

@@ -5,9 +5,13 @@ no state of its own: nodes, sandboxes and tenants live in JetStream KV and are m
 memory through watches. Every apiserver also watches for nodes whose heartbeats stop: the first
 to mark one down (compare-and-set) reports that node's sandboxes lost.
 
-:class:`~.server.ApiServer` composes parts, each given only what it uses:
+:class:`~.server.ApiServer` composes parts, each given only what it uses, and declares their
+endpoints (``bus.Endpoint``): the bus authenticates, parses the request and maps errors
+for every one of them, so a handler is given the parsed request and the caller's tenant.
 
-* :mod:`.auth` — the tenant a request's token belongs to;
+The parts:
+
+* :mod:`.auth` — the tenant a credential belongs to, which the bus authenticates with;
 * :mod:`.registry` — the sandbox records and their indexes (by node, tenant, request id,
   job, expiry), and looking a caller's sandbox up;
 * :mod:`.nodes` — the node views, placements their heartbeats do not count yet, down events;

@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 from dsec_kernel import bus
 from dsec_kernel.apiserver.admission import Admission
-from dsec_kernel.apiserver.auth import Authenticate
 from dsec_kernel.apiserver.edges import Edges, ids_by_node
 from dsec_kernel.apiserver.leases import JobLookup
 from dsec_kernel.apiserver.nodes import Nodes, Placed
@@ -52,7 +51,6 @@ class Creating:
         registry: Registry,
         nodes: Nodes,
         edges: Edges,
-        authenticate: Authenticate,
         specs: Specs,
         admission: Admission,
         policy: PlacementPolicy,
@@ -63,16 +61,14 @@ class Creating:
         self.registry = registry
         self.nodes = nodes
         self.edges = edges
-        self.authenticate = authenticate
         self.specs = specs
         self.admission = admission
         self.policy = policy
         self.job = job
         self._creating: dict[tuple[str, str], asyncio.Future[CreateResponse]] = {}
 
-    async def create(self, req: bus.Request) -> CreateResponse:
-        tenant = await self.authenticate(req)
-        r = CreateRequest.model_validate_json(req.data)
+    async def create(self, r: CreateRequest, call: bus.Call) -> CreateResponse:
+        tenant = call.tenant
         r.spec = self.specs.with_backend(r.spec)
         if not r.request_id:
             return await self._create_once(tenant, r)

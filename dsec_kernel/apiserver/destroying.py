@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 from dsec_kernel import bus
-from dsec_kernel.apiserver.auth import Authenticate
 from dsec_kernel.apiserver.edges import Edges, ids_by_node
 from dsec_kernel.apiserver.nodes import Nodes
 from dsec_kernel.apiserver.registry import Registry
@@ -32,22 +31,18 @@ class Destroying:
         registry: Registry,
         nodes: Nodes,
         edges: Edges,
-        authenticate: Authenticate,
     ) -> None:
         self.state = state
         self.registry = registry
         self.nodes = nodes
         self.edges = edges
-        self.authenticate = authenticate
 
-    async def destroy(self, req: bus.Request) -> DestroyResponse:
-        tenant = await self.authenticate(req)
-        r = DestroyRequest.model_validate_json(req.data)
+    async def destroy(self, r: DestroyRequest, call: bus.Call) -> DestroyResponse:
         found: list[SandboxInfo] = []
         not_found: list[str] = []
         for sid in dict.fromkeys(r.ids):
             try:
-                found.append(await self.registry.lookup(tenant, sid, allow_lost=True))
+                found.append(await self.registry.lookup(call.tenant, sid, allow_lost=True))
             except errors.NotFound:
                 not_found.append(sid)
         out = await self.destroy_sandboxes(found)

@@ -14,7 +14,6 @@ import time
 from collections.abc import Awaitable, Callable
 
 from dsec_kernel import bus
-from dsec_kernel.apiserver.auth import Authenticate
 from dsec_kernel.apiserver.edges import Power
 from dsec_kernel.apiserver.registry import Registry
 from dsec_kernel.contract import errors
@@ -47,13 +46,11 @@ class Leases:
         self,
         state: ClusterState,
         registry: Registry,
-        authenticate: Authenticate,
         power: Power,
         destroy_all: Callable[[list[SandboxInfo]], Awaitable[list[str]]],
     ) -> None:
         self.state = state
         self.registry = registry
-        self.authenticate = authenticate
         self.power = power
         self.destroy_all = destroy_all
         self.jobs = state.mirror(JOBS, JobInfo.model_validate_json)
@@ -61,9 +58,8 @@ class Leases:
     def job(self, tenant: str, name: str) -> JobInfo | None:
         return self.jobs.get(job_key(tenant, name))
 
-    async def renew(self, req: bus.Request) -> JobInfo:
-        tenant = await self.authenticate(req)
-        r = JobRenewRequest.model_validate_json(req.data)
+    async def renew(self, r: JobRenewRequest, call: bus.Call) -> JobInfo:
+        tenant = call.tenant
         key = job_key(tenant, r.name)
         for _ in range(10):
             now = time.time()
@@ -83,9 +79,8 @@ class Leases:
             return info
         raise errors.Conflict(f"job {r.name} keeps changing; try again")
 
-    async def close(self, req: bus.Request) -> DestroyResponse:
-        tenant = await self.authenticate(req)
-        r = JobCloseRequest.model_validate_json(req.data)
+    async def close(self, r: JobCloseRequest, call: bus.Call) -> DestroyResponse:
+        tenant = call.tenant
         mine = self.registry.job_members(tenant, r.name)
         destroyed = await self.destroy_all(mine)
         await self.state.delete_job(job_key(tenant, r.name))

@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable
 from contextlib import suppress
 
 from dsec_kernel import bus
-from dsec_kernel.apiserver.auth import Authenticate
 from dsec_kernel.apiserver.edges import Edges
 from dsec_kernel.apiserver.registry import Registry
 from dsec_kernel.apiserver.specs import Specs
@@ -65,7 +64,6 @@ class Pools:
         state: ClusterState,
         registry: Registry,
         views: dict[str, NodeView],
-        authenticate: Authenticate,
         specs: Specs,
         create: Create,
         destroy_all: Callable[[list[SandboxInfo]], Awaitable[list[str]]],
@@ -78,7 +76,6 @@ class Pools:
         self.state = state
         self.registry = registry
         self.views = views
-        self.authenticate = authenticate
         self.specs = specs
         self.create = create
         self.destroy_all = destroy_all
@@ -102,9 +99,8 @@ class Pools:
 
     # -- handlers ----------------------------------------------------------------------------
 
-    async def open(self, req: bus.Request) -> PoolInfo:
-        tenant = await self.authenticate(req)
-        r = PoolOpenRequest.model_validate_json(req.data)
+    async def open(self, r: PoolOpenRequest, call: bus.Call) -> PoolInfo:
+        tenant = call.tenant
         r.spec = self.specs.with_backend(r.spec)
         self.specs.check(tenant, r.spec)
         await self.specs.check_layers(tenant, r.spec)
@@ -126,9 +122,8 @@ class Pools:
         await self.state.put_pool(_key(tenant, r.name), info)
         return self._view(info)
 
-    async def acquire(self, req: bus.Request) -> AcquireResponse:
-        tenant = await self.authenticate(req)
-        r = AcquireRequest.model_validate_json(req.data)
+    async def acquire(self, r: AcquireRequest, call: bus.Call) -> AcquireResponse:
+        tenant = call.tenant
         pool = self._require(tenant, r.name)
         taken: list[SandboxInfo] = []
         for info, rev in self._idle(tenant, r.name):
@@ -147,11 +142,10 @@ class Pools:
             taken += made.sandboxes
         return AcquireResponse(sandboxes=taken, from_pool=r.count - missing)
 
-    async def release(self, req: bus.Request) -> DestroyResponse:
+    async def release(self, r: ReleaseRequest, call: bus.Call) -> DestroyResponse:
         """Reset each sandbox and return it to the pool; ``destroyed`` lists those that
         could not be reset (or found the pool full) and were destroyed instead."""
-        tenant = await self.authenticate(req)
-        r = ReleaseRequest.model_validate_json(req.data)
+        tenant = call.tenant
         pool = self._require(tenant, r.name)
         infos = [await self.registry.lookup(tenant, sid) for sid in dict.fromkeys(r.ids)]
         for info in infos:
@@ -164,9 +158,8 @@ class Pools:
             await self.destroy_all(drop)
         return DestroyResponse(destroyed=[i.id for i in drop])
 
-    async def close(self, req: bus.Request) -> DestroyResponse:
-        tenant = await self.authenticate(req)
-        r = PoolCloseRequest.model_validate_json(req.data)
+    async def close(self, r: PoolCloseRequest, call: bus.Call) -> DestroyResponse:
+        tenant = call.tenant
         await self.state.delete_pool(_key(tenant, r.name))
         self.pools.items.pop(_key(tenant, r.name), None)  # a refill in flight sees it gone
         idle = [info for info, _ in self._idle(tenant, r.name)]

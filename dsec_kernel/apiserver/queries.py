@@ -4,7 +4,6 @@ status), the nodes, and a sandbox's command history (from the trajectory stream)
 from __future__ import annotations
 
 from dsec_kernel import bus
-from dsec_kernel.apiserver.auth import Authenticate
 from dsec_kernel.apiserver.registry import Registry
 from dsec_kernel.contract.placement import NodeView
 from dsec_kernel.contract.wire import (
@@ -12,6 +11,7 @@ from dsec_kernel.contract.wire import (
     HistoryResponse,
     ListRequest,
     ListResponse,
+    NodesRequest,
     NodesResponse,
     SandboxInfo,
     StatusRequest,
@@ -32,27 +32,23 @@ class Queries:
         self,
         registry: Registry,
         views: dict[str, NodeView],
-        authenticate: Authenticate,
         trajectory: Trajectory,
     ) -> None:
         self.registry = registry
         self.views = views
-        self.authenticate = authenticate
         self.trajectory = trajectory
         self._history_reads = TenantSlots(8, 2)  # each may pull up to 32 MiB
 
-    async def list_sandboxes(self, req: bus.Request) -> ListResponse:
+    async def list_sandboxes(self, r: ListRequest, call: bus.Call) -> ListResponse:
         """The caller's sandboxes by id, a page at a time: at most ``limit``, and no more
         than :data:`LIST_PAGE_BYTES` of records (one reply must fit a NATS message)."""
-        tenant = await self.authenticate(req)
-        r = ListRequest.model_validate_json(req.data)
         if r.after is None:  # (a list's first page) a sandbox made through another apiserver
             await self.registry.mirror.current()  # a moment ago is listed
         want = r.labels.items()
         page: list[SandboxInfo] = []
         size = 0
         items = self.registry.items
-        for sid in sorted(i for i in self.registry.of_tenant(tenant) if i > (r.after or "")):
+        for sid in sorted(i for i in self.registry.of_tenant(call.tenant) if i > (r.after or "")):
             hit = items.get(sid)
             if hit is None or not want <= hit[0].labels.items():
                 continue
@@ -62,15 +58,13 @@ class Queries:
             page.append(hit[0])
         return ListResponse(sandboxes=page)
 
-    async def status(self, req: bus.Request) -> SandboxInfo:
-        tenant = await self.authenticate(req)
-        r = StatusRequest.model_validate_json(req.data)
-        return await self.registry.lookup(tenant, r.id, allow_lost=True)
+    async def status(self, r: StatusRequest, call: bus.Call) -> SandboxInfo:
+        return await self.registry.lookup(call.tenant, r.id, allow_lost=True)
 
-    async def nodes(self, req: bus.Request) -> NodesResponse:
+    async def nodes(self, r: NodesRequest, call: bus.Call) -> NodesResponse:
         """The nodes, with the layers each has used as the caller sees them: public ones and
         its own (another tenant's layers are not named)."""
-        own = f"{await self.authenticate(req)}/"
+        own = f"{call.tenant}/"
         return NodesResponse(
             nodes=[
                 v.info.model_copy(
@@ -86,10 +80,9 @@ class Queries:
             ]
         )
 
-    async def history(self, req: bus.Request) -> HistoryResponse:
+    async def history(self, r: HistoryRequest, call: bus.Call) -> HistoryResponse:
         """From the trajectory stream: works for lost sandboxes, and destroyed ones while
         the stream keeps their entries."""
-        tenant = await self.authenticate(req)
-        r = HistoryRequest.model_validate_json(req.data)
-        async with self._history_reads.hold(tenant, bus.time_left()):  # a few at a time, fairly
+        tenant = call.tenant
+        async with self._history_reads.hold(tenant, call.time_left()):  # a few at a time, fairly
             return HistoryResponse(commands=await self.trajectory.read(tenant, r.sandbox_id))

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from dsec_kernel import bus
-from dsec_kernel.apiserver.auth import Authenticate
 from dsec_kernel.apiserver.edges import Edges
 from dsec_kernel.apiserver.registry import Registry
 from dsec_kernel.config import ApiSettings
@@ -32,10 +32,16 @@ from dsec_kernel.contract.wire import (
     fit_results,
 )
 
-__all__ = ["EXEC_MARGIN_S", "Routing"]
+__all__ = ["EXEC_MARGIN_S", "InSandbox", "Routing"]
 
 #: seconds added to a command's own timeout for the round trip through the edge
 EXEC_MARGIN_S = 15.0
+
+
+class InSandbox(Protocol):
+    """A request about one sandbox (file.read, snapshot...), which its edge answers."""
+
+    sandbox_id: str
 
 
 class Routing:
@@ -47,24 +53,21 @@ class Routing:
         registry: Registry,
         views: dict[str, NodeView],
         edges: Edges,
-        authenticate: Authenticate,
     ) -> None:
         self.settings = settings
         self.registry = registry
         self.views = views
         self.edges = edges
-        self.authenticate = authenticate
         self._fncall_inflight: dict[str, int] = defaultdict(int)
 
-    async def execute(self, req: bus.Request) -> bytes | ExecResponse:
-        tenant = await self.authenticate(req)
-        r = ExecRequest.model_validate_json(req.data)
+    async def execute(self, r: ExecRequest, call: bus.Call) -> bytes | ExecResponse:
+        tenant = call.tenant
         timeout = r.timeout_s + EXEC_MARGIN_S
         if len(r.sandbox_ids) == 1:  # the edge's answer as it is; a failure as many would get
             sid = r.sandbox_ids[0]
             try:
                 info = await self.registry.lookup(tenant, sid)
-                return await self.edges.call(info.node, "exec", req.data, timeout)
+                return await self.edges.call(info.node, "exec", call.data, timeout)
             except errors.DsecError as exc:
                 return ExecResponse(results=[ExecResult(sandbox_id=sid, exit_code=-1, error=exc)])
         results: dict[str, ExecResult] = {}
@@ -89,9 +92,8 @@ class Routing:
         await asyncio.gather(*(one(n, ids) for n, ids in groups.items()))
         return ExecResponse(results=fit_results([results[sid] for sid in r.sandbox_ids]))
 
-    async def fncall(self, req: bus.Request) -> bytes:
-        tenant = await self.authenticate(req)
-        r = FncallRequest.model_validate_json(req.data)
+    async def fncall(self, r: FncallRequest, call: bus.Call) -> bytes:
+        tenant = call.tenant
         r.tenant = tenant  # the edge shares fncall slots fairly between tenants
         if r.sandbox_id:
             node = (await self.registry.lookup(tenant, r.sandbox_id)).node
@@ -115,17 +117,18 @@ class Routing:
         finally:
             self._fncall_inflight[node] -= 1
 
-    def pause_or_resume(self, op: str, model: type[PauseRequest | ResumeRequest]) -> bus.Handler:
-        """Pause or resume the caller's sandboxes, one request per node."""
+    def pause_or_resume(
+        self, op: str
+    ) -> Callable[[PauseRequest | ResumeRequest, bus.Call], Awaitable[PauseResponse]]:
+        """A handler that pauses or resumes (``op``) the caller's sandboxes, one request per
+        node."""
 
-        async def handle(req: bus.Request) -> PauseResponse:
-            tenant = await self.authenticate(req)
-            r = model.model_validate_json(req.data)
+        async def handle(r: PauseRequest | ResumeRequest, call: bus.Call) -> PauseResponse:
             out = PauseResponse()
             found: list[SandboxInfo] = []
             for sid in dict.fromkeys(r.ids):
                 try:
-                    found.append(await self.registry.lookup(tenant, sid))
+                    found.append(await self.registry.lookup(call.tenant, sid))
                 except errors.DsecError as exc:
                     out.failed.append(Failure(id=sid, error=Error.of(exc)))
             replies = await self.edges.power(op, found, r.reason)
@@ -136,24 +139,22 @@ class Routing:
 
         return handle
 
-    def in_sandbox(self, op: str, model: type[Any]) -> bus.Handler:
+    def in_sandbox(self, op: str) -> Callable[[InSandbox, bus.Call], Awaitable[bytes]]:
         """A handler for requests about one of the caller's sandboxes: forwarded to its edge
-        as they came (``model`` has a ``sandbox_id``), waited for no longer than the caller
-        waits (so the edge knows when to give up too)."""
+        as they came, waited for no longer than the caller waits (so the edge knows when to
+        give up too)."""
 
-        async def handle(req: bus.Request) -> bytes:
-            r = model.model_validate_json(req.data)
-            info = await self.registry.lookup(await self.authenticate(req), r.sandbox_id)
-            timeout, left = self.settings.edge_timeout_s, bus.time_left()
+        async def handle(r: InSandbox, call: bus.Call) -> bytes:
+            info = await self.registry.lookup(call.tenant, r.sandbox_id)
+            timeout, left = self.settings.edge_timeout_s, call.time_left()
             if left is not None:
                 timeout = min(timeout, left)
-            return await self.edges.call(info.node, op, req.data, timeout)
+            return await self.edges.call(info.node, op, call.data, timeout)
 
         return handle
 
-    async def prestage(self, req: bus.Request) -> PrestageResponse:
-        r = PrestageRequest.model_validate_json(req.data)
-        r.tenant = await self.authenticate(req)  # the layers as that tenant sees them
+    async def prestage(self, r: PrestageRequest, call: bus.Call) -> PrestageResponse:
+        r.tenant = call.tenant  # the layers as that tenant sees them
         nodes = [
             v.name
             for v in self.views.values()
@@ -177,9 +178,8 @@ class Routing:
             out.failed += part.failed
         return out
 
-    async def publish(self, req: bus.Request) -> bytes:
-        r = PublishRequest.model_validate_json(req.data)
-        r.tenant = await self.authenticate(req)  # the edge checks the snapshot belongs to it
+    async def publish(self, r: PublishRequest, call: bus.Call) -> bytes:
+        r.tenant = call.tenant  # the edge checks the snapshot belongs to it
         nodes = [
             v.name
             for v in self.views.values()

@@ -6,8 +6,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack, suppress
+from typing import Any
 
 from nats.aio.client import Client as NATS
+from pydantic import BaseModel
 
 from dsec_kernel import __version__, bus
 from dsec_kernel.apiserver.admission import Admission
@@ -28,12 +30,28 @@ from dsec_kernel.config import ApiSettings
 from dsec_kernel.contract.hooks import Hooks
 from dsec_kernel.contract.placement import PlacementPolicy
 from dsec_kernel.contract.wire import (
+    AcquireRequest,
+    CreateRequest,
+    DestroyRequest,
+    ExecRequest,
+    FncallRequest,
     FsDiffRequest,
+    HistoryRequest,
+    JobCloseRequest,
+    JobRenewRequest,
+    ListRequest,
+    NodesRequest,
     PauseRequest,
+    PoolCloseRequest,
+    PoolOpenRequest,
+    PrestageRequest,
+    PublishRequest,
     ReadFileRequest,
+    ReleaseRequest,
     RestoreRequest,
     ResumeRequest,
     SnapshotRequest,
+    StatusRequest,
     WriteFileRequest,
 )
 from dsec_kernel.state.facade import ClusterState
@@ -79,24 +97,23 @@ class ApiServer:
         edges = Edges(self.nc, settings, nodes.down_event)
         registry = Registry(state, views)
         auth = Auth(state)
-        destroying = Destroying(state, registry, nodes, edges, auth.tenant)
-        leases = Leases(state, registry, auth.tenant, edges.power, destroying.destroy_all)
+        destroying = Destroying(state, registry, nodes, edges)
+        leases = Leases(state, registry, edges.power, destroying.destroy_all)
         admission = self.admission = Admission(
             settings, state, views, registry, leases.job, edges.power
         )
         specs = Specs(settings, nodes, leases.job, self.hooks)
         creating = Creating(
-            settings, state, registry, nodes, edges, auth.tenant, specs, admission, self.policy,
-            leases.job,
-        )  # fmt: skip
+            settings, state, registry, nodes, edges, specs, admission, self.policy, leases.job
+        )
         pools = Pools(
-            settings, state, registry, views, auth.tenant, specs, creating.admit_and_create,
+            settings, state, registry, views, specs, creating.admit_and_create,
             destroying.destroy_all, admission.quota_room, edges,
         )  # fmt: skip
         registry.watch(pools.indexed)
         registry.watch(admission.indexed)
-        routing = Routing(settings, registry, views, edges, auth.tenant)
-        queries = Queries(registry, views, auth.tenant, trajectory)
+        routing = Routing(settings, registry, views, edges)
+        queries = Queries(registry, views, trajectory)
         reaper = Reaper(registry, destroying.destroy_sandboxes)
         liveness = Liveness(settings, state, nodes, registry, self.hooks)
 
@@ -109,27 +126,28 @@ class ApiServer:
         registry.index_all()
         nodes.view_all()
         self.hooks.configure("apiserver", None)
-        ops = {
-            "create": creating.create,
-            "destroy": destroying.destroy,
-            "list": queries.list_sandboxes,
-            "status": queries.status,
-            "exec": routing.execute,
-            "fncall": routing.fncall,
-            "nodes": queries.nodes,
-            "publish": routing.publish,
-            "history": queries.history,
-            "prestage": routing.prestage,
-            "pause": routing.pause_or_resume("pause", PauseRequest),
-            "resume": routing.pause_or_resume("resume", ResumeRequest),
-            "job.renew": leases.renew,
-            "job.close": leases.close,
-            "pool.open": pools.open,
-            "pool.acquire": pools.acquire,
-            "pool.release": pools.release,
-            "pool.close": pools.close,
+        # every endpoint is a tenant's: the bus authenticates, parses and maps errors
+        ops: dict[str, tuple[Any, type[BaseModel]]] = {
+            "create": (creating.create, CreateRequest),
+            "destroy": (destroying.destroy, DestroyRequest),
+            "list": (queries.list_sandboxes, ListRequest),
+            "status": (queries.status, StatusRequest),
+            "exec": (routing.execute, ExecRequest),
+            "fncall": (routing.fncall, FncallRequest),
+            "nodes": (queries.nodes, NodesRequest),
+            "publish": (routing.publish, PublishRequest),
+            "history": (queries.history, HistoryRequest),
+            "prestage": (routing.prestage, PrestageRequest),
+            "pause": (routing.pause_or_resume("pause"), PauseRequest),
+            "resume": (routing.pause_or_resume("resume"), ResumeRequest),
+            "job.renew": (leases.renew, JobRenewRequest),
+            "job.close": (leases.close, JobCloseRequest),
+            "pool.open": (pools.open, PoolOpenRequest),
+            "pool.acquire": (pools.acquire, AcquireRequest),
+            "pool.release": (pools.release, ReleaseRequest),
+            "pool.close": (pools.close, PoolCloseRequest),
             **{
-                op: routing.in_sandbox(op, model)
+                op: (routing.in_sandbox(op), model)
                 for op, model in (
                     ("file.read", ReadFileRequest),
                     ("file.write", WriteFileRequest),
@@ -145,7 +163,11 @@ class ApiServer:
             version=__version__,
             description="DSec apiserver: sandboxes, commands and files",
             queue_group="apiserver",
-            endpoints={bus.api_subject(op): h for op, h in ops.items()},
+            endpoints={
+                bus.api_subject(op): bus.Endpoint(handler, request=model, tenant=True)
+                for op, (handler, model) in ops.items()
+            },
+            authenticate=auth.tenant,
             per_caller=settings.requests_per_credential,
             caller_bytes=settings.request_bytes_per_credential,
             accept=bus.replies_to_caller,  # never answer into someone else's inbox

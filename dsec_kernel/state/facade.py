@@ -93,9 +93,10 @@ class ClusterState:
         await self.tenants.create(token_key(token), json.dumps(record).encode())
         return token
 
-    async def tenant(self, token: str) -> str | None:
-        """The tenant of ``token`` as the bucket has it now (None if it has none)."""
-        hit = await get_record(self.tenants, token_key(token), tenant_of)
+    async def tenant(self, key: str) -> str | None:
+        """The tenant of the credential stored under ``key`` (``token_key(token)``) as the
+        bucket has it now (None if it has none)."""
+        hit = await get_record(self.tenants, key, tenant_of)
         return hit[0] if hit else None
 
     async def adopt_tenant(self, token: str) -> str | None:
