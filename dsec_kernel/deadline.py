@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import time
+from typing import overload
 
 __all__ = ["MARGIN_S", "inner", "start", "time_left"]
 
@@ -32,9 +33,19 @@ def time_left() -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def inner(wanted: float) -> float:
-    """How long a call made while handling a request may wait: ``wanted``, cut to
-    :data:`MARGIN_S` less than the request's caller waits (never below a tenth of a second:
-    a call that cannot be waited for fails fast instead of not being made)."""
+@overload
+def inner(wanted: float) -> float: ...
+@overload
+def inner(wanted: None) -> float | None: ...
+
+
+def inner(wanted: float | None) -> float | None:
+    """How long a call or wait made while handling a request may take: ``wanted`` (None: as
+    long as it takes), cut to :data:`MARGIN_S` less than the request's caller waits (never
+    below a tenth of a second: a call that cannot be waited for fails fast instead of not
+    being made)."""
     left = time_left()
-    return wanted if left is None else max(0.1, min(wanted, left - MARGIN_S))
+    if left is None:
+        return wanted
+    cut = max(0.1, left - MARGIN_S)
+    return cut if wanted is None else max(0.1, min(wanted, cut))

@@ -51,7 +51,7 @@ from dsec_backend_container.seccomp import write_profile
 from dsec_backend_container.snapshots import Snapshots
 from dsec_backend_container.upperfs import UpperFs
 from dsec_backend_container.userns import UidRanges
-from dsec_kernel import bus
+from dsec_kernel import deadline
 from dsec_kernel.contract import errors
 from dsec_kernel.contract.backend import (
     Backend,
@@ -846,7 +846,7 @@ class ContainerBackend(Backend):
 
     async def read_file(self, request: ReadFileRequest) -> ReadFileResponse:
         meta = self._meta(request.sandbox_id)
-        async with self.file_slots.hold(meta.tenant, bus.time_left()):
+        async with self.file_slots.hold(meta.tenant, deadline.inner(None)):
             pidfd = self._pidfd(request.sandbox_id)
             try:
                 data = await self.helper.read_file(
@@ -861,7 +861,7 @@ class ContainerBackend(Backend):
         name = request.path.rstrip("/").rpartition("/")[2]
         if not name or name in (".", "..") or "\0" in request.path:
             raise errors.InvalidArgument(f"{request.path!r}: not a file path")
-        async with self.file_slots.hold(meta.tenant, bus.time_left()):
+        async with self.file_slots.hold(meta.tenant, deadline.inner(None)):
             pidfd = self._pidfd(request.sandbox_id)
             try:
                 await self.helper.write_file(
