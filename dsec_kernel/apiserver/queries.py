@@ -3,7 +3,7 @@ status), the nodes, and a sandbox's command history (from the trajectory stream)
 
 from __future__ import annotations
 
-from dsec_kernel import bus
+from dsec_kernel import bus, deadline
 from dsec_kernel.apiserver.registry import Registry
 from dsec_kernel.contract.placement import NodeView
 from dsec_kernel.contract.wire import (
@@ -84,5 +84,5 @@ class Queries:
         """From the trajectory stream: works for lost sandboxes, and destroyed ones while
         the stream keeps their entries."""
         tenant = call.tenant
-        async with self._history_reads.hold(tenant, call.time_left()):  # a few at a time, fairly
+        async with self._history_reads.hold(tenant, deadline.inner(None)):  # a few at a time
             return HistoryResponse(commands=await self.trajectory.read(tenant, r.sandbox_id))
