@@ -34,8 +34,10 @@ from dsec_kernel.contract.wire import (
 
 __all__ = ["EXEC_MARGIN_S", "InSandbox", "Routing"]
 
-#: seconds added to a command's own timeout for the round trip through the edge
-EXEC_MARGIN_S = 15.0
+#: seconds added to a command's own timeout for its wait for a turn on the node and the
+#: round trip through the edge: under the SDK's 30 s (it waits longer than this apiserver,
+#: which waits longer than the edge's call to the agent: deadline.inner)
+EXEC_MARGIN_S = 28.0
 
 
 class InSandbox(Protocol):

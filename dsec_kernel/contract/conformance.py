@@ -280,7 +280,8 @@ class BackendConformance:
                 backend,
                 sb.id,
                 "echo kept > /tmp/file; (setsid sh -c 'i=0; while :; do i=$((i+1));"
-                " echo $i > /tmp/count; sleep 0.05; done' > /dev/null 2>&1 &)",
+                " echo $i > /tmp/n; mv /tmp/n /tmp/count; sleep 0.05; done'"
+                " > /dev/null 2>&1 &)",  # (renamed whole: a pause never finds it empty)
             )
             await asyncio.sleep(0.3)
             report = await backend.pause(ref)

@@ -395,7 +395,10 @@ async def test_long_walks_of_one_tenant_hold_up_no_one_else(platform, attacker, 
     sbs = await attacker.create(count=8, backend="container", env=BUSYBOX)
     neighbour = await one(victim)
     try:
-        await attacker.exec_many(sbs, "mkdir /m && cd /m && seq 1 40000 | xargs touch", timeout=300)
+        made = await attacker.exec_many(
+            sbs, "mkdir /m && cd /m && seq 1 40000 | xargs touch && ls | wc -l", timeout=300
+        )
+        assert all(r.exit_code == 0 and r.stdout == b"40000\n" for r in made), made
         diffs = [asyncio.ensure_future(sb.fs_diff()) for sb in sbs]
         await asyncio.sleep(0.3)  # every diff asked for
         r = await neighbour.exec("echo hi")
