@@ -37,6 +37,7 @@ class Registry:
         self.items = self.mirror.items
         self._watchers: list[Watcher] = []
         self._by_node: dict[str, set[str]] = defaultdict(set)  # node -> sandbox ids
+        self._node_of: dict[str, str] = {}  # sandbox id -> the node _by_node has it under
         self._by_tenant: dict[str, set[str]] = defaultdict(set)  # tenant -> sandbox ids
         self._tenant_of: dict[str, str] = {}  # sandbox id -> tenant
         self._job_nodes: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
@@ -87,8 +88,8 @@ class Registry:
                 self._by_tenant[tenant].discard(sandbox_id)
                 if not self._by_tenant[tenant]:
                     del self._by_tenant[tenant]
-            for ids in self._by_node.values():
-                ids.discard(sandbox_id)
+            if (node := self._node_of.pop(sandbox_id, None)) is not None:
+                self._by_node[node].discard(sandbox_id)  # (not every node's: 160 of them)
             if (req := self._request_of.pop(sandbox_id, None)) is not None:
                 self._by_request[req].discard(sandbox_id)
                 if not self._by_request[req]:
@@ -99,7 +100,11 @@ class Registry:
                 if not self._job_members[old[0]]:
                     del self._job_members[old[0]]
             return
-        self._by_node[info.node].add(sandbox_id)
+        if (was := self._node_of.get(sandbox_id)) != info.node:  # new, or moved (recovered)
+            if was is not None:
+                self._by_node[was].discard(sandbox_id)
+            self._node_of[sandbox_id] = info.node
+            self._by_node[info.node].add(sandbox_id)
         self._tenant_of[sandbox_id] = info.tenant
         self._by_tenant[info.tenant].add(sandbox_id)
         if info.job and sandbox_id not in self._job_of:
