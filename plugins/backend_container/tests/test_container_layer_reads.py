@@ -67,3 +67,25 @@ async def test_a_destroyed_sandbox_reports_each_layer_it_read(backend, store_con
     ]
     for (_, digest, _, bytes_read), layer in zip(reads.calls, (work, base), strict=True):
         assert 0 < bytes_read <= layer.size, (digest, bytes_read, layer.size)
+
+
+async def test_many_sandboxes_of_one_layer_walk_it_once(backend):
+    """Measuring walks the mounted image (a tenant's layer chooses its files): sandboxes of
+    one env destroyed together measure it once, and each is still told."""
+    measured = []
+    usage = backend.store.usage
+    backend.store.usage = lambda digest: measured.append(digest) or usage(digest)
+    reads = Reads()
+    backend.hooks.register(reads)
+    sbs = [new(Env(base="busybox:1")) for _ in range(3)]
+    try:
+        for sb in sbs:
+            await backend.create(sb)
+        for sb in sbs:
+            await backend.destroy(SandboxRef(sandbox_id=sb.id))
+    finally:
+        backend.store.usage = usage
+        backend.hooks.pm.unregister(reads)
+    assert len(measured) <= 1  # (none if an earlier test measured it just now)
+    assert sorted(c[2] for c in reads.calls) == sorted(sb.id for sb in sbs)
+    assert len({c[3] for c in reads.calls}) == 1  # the one measure, told to each
